@@ -1,0 +1,49 @@
+"""Backend registry: ``get_backend("jax" | "torch" | "npu", device=None, dtype="float32")``.
+
+Backends are imported lazily, so a machine without JAX can still use torch and vice versa.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .base import Backend
+from .npu import BackendUnavailable
+
+_REGISTRY = {
+    "jax": ("backends.jax", "JaxBackend"),
+    "torch": ("backends.torch", "TorchBackend"),
+    "npu": ("backends.npu", "NpuBackend"),
+}
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def backend_status(name: str) -> tuple[bool, str]:
+    """``(True, "ok")`` if ``get_backend(name)`` would succeed, else ``(False, reason)``."""
+    try:
+        get_backend(name)
+    except Exception as exc:  # noqa: BLE001 - the reason is the product here
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, "ok"
+
+
+def get_backend(name: str, **options) -> Backend:
+    """Create a backend by name. Unknown names and unavailable backends raise with the reason."""
+    if name not in _REGISTRY:
+        lines = []
+        for other in _REGISTRY:
+            ok, reason = backend_status(other)
+            lines.append(f"  {other}: {'available' if ok else reason}")
+        raise BackendUnavailable(f"unknown backend {name!r}; backends:\n" + "\n".join(lines))
+    module_name, cls_name = _REGISTRY[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(f"backend {name!r} needs a package that is not installed: {exc}. "
+                                 f"Install the project with `pip install -e .`") from exc
+    return getattr(module, cls_name)(**options)
+
+
+__all__ = ["Backend", "BackendUnavailable", "backend_names", "backend_status", "get_backend"]

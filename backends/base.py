@@ -1,0 +1,233 @@
+"""The Backend contract and the reference implementation of every kernel op.
+
+Model code (gr_functional) calls ``B.xp`` for standard Array API math and ``B.<op>`` for the
+kernel ops listed in ``Backend.KERNEL_OPS``: the ops the Array API lacks, or that some backend
+fuses. Every op here is written once on ``self.xp`` and is the semantic definition; a backend
+overrides an op with a native or fused kernel only when a differential test
+(tests/differential/) shows the override matches this reference in outputs and gradients.
+
+Shapes use T = token capacity, B = sequence capacity (``b_cap``), L = ``max_len``,
+H = heads, d = head dim, D = model dim. Index arrays are int32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from gr_functional.jagged import Jagged
+from gr_functional.tree import tree_map
+
+TIME_BUCKET_DIVISOR = 0.301  # generative-recommenders: floor(log(max(|dt|, 1)) / 0.301)
+
+
+def time_bucket_thresholds(num_buckets: int) -> np.ndarray:
+    """``thr[k]`` = smallest integer x >= 1 with floor(log(x) / 0.301) >= k, k = 0..num_buckets.
+
+    Bucketing by integer comparison against these thresholds is exact, so every backend
+    assigns every time gap to the same bucket (float32 ``log`` can disagree by one ulp at a
+    bucket edge between libraries). Thresholds beyond int32 are clipped: gaps that large
+    cannot occur in int32 seconds.
+    """
+    thr = np.empty(num_buckets + 1, dtype=np.int64)
+    for k in range(num_buckets + 1):
+        x = max(1, int(math.floor(math.exp(k * TIME_BUCKET_DIVISOR))) - 2)
+        while math.floor(math.log(x) / TIME_BUCKET_DIVISOR) < k:
+            x += 1
+            if x > np.iinfo(np.int32).max:
+                break
+        thr[k] = x
+    return np.minimum(thr, np.iinfo(np.int32).max).astype(np.int32)
+
+
+class Backend:
+    """Base class: reference kernel ops on ``self.xp``; subclasses supply the transforms.
+
+    Subclasses must set ``xp`` and implement ``asarray``, ``to_numpy``, ``value_and_grad``,
+    ``jit`` and ``stop_gradient``. They may override any name in ``KERNEL_OPS``.
+    """
+
+    name = "base"
+    KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
+                  "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul")
+
+    def __init__(self, device: str | None = None, dtype: str = "float32"):
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+        self.device = device
+        self.dtype_name = dtype
+        self._thresholds_cache: dict[int, Any] = {}
+
+    def __repr__(self):
+        return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r})"
+
+    # ------------------------------------------------------------------ transforms (abstract)
+    xp: Any = None
+
+    @property
+    def float_dtype(self):
+        return getattr(self.xp, self.dtype_name)
+
+    def asarray(self, x: Any, dtype=None):
+        raise NotImplementedError
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def value_and_grad(self, f: Callable, has_aux: bool = False) -> Callable:
+        """``f(params, *args) -> loss`` (or ``(loss, aux)``) becomes
+        ``g(params, *args) -> (loss | (loss, aux), grads)``, grads a tree like params."""
+        raise NotImplementedError
+
+    def jit(self, f: Callable) -> Callable:
+        return f
+
+    def stop_gradient(self, x):
+        raise NotImplementedError
+
+    def asarray_tree(self, tree: Any) -> Any:
+        """numpy tree -> backend tree; floating leaves take the backend dtype, integers stay int32."""
+        def conv(leaf):
+            arr = np.asarray(leaf)
+            if np.issubdtype(arr.dtype, np.floating):
+                return self.asarray(arr.astype(self.dtype_name, copy=False))
+            return self.asarray(arr)
+        return tree_map(conv, tree)
+
+    def to_numpy_tree(self, tree: Any) -> Any:
+        return tree_map(self.to_numpy, tree)
+
+    # ------------------------------------------------------------------ small helpers
+    def _ext(self, x):
+        """Append one zero row so index ``T_cap`` (an empty cell) gathers zeros."""
+        xp = self.xp
+        return xp.concat([x, xp.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype)], axis=0)
+
+    def token_mask(self, layout: Jagged):
+        """``[T]`` float: 1 on real tokens, 0 on padding."""
+        xp = self.xp
+        return xp.astype(layout.seq_id < layout.b_cap, self.float_dtype)
+
+    # ------------------------------------------------------------------ kernel ops (reference)
+    def silu(self, x):
+        """``x * sigmoid(x)``; sigmoid via tanh so the gradient is finite at large |x|."""
+        xp = self.xp
+        return x * (0.5 * (xp.tanh(0.5 * x) + 1.0))
+
+    def layer_norm(self, x, eps: float = 1e-6):
+        """Parameter-free LayerNorm over the last axis (biased variance, as torch)."""
+        xp = self.xp
+        mean = xp.mean(x, axis=-1, keepdims=True)
+        centred = x - mean
+        var = xp.mean(centred * centred, axis=-1, keepdims=True)
+        return centred / xp.sqrt(var + eps)
+
+    def l2_normalize(self, x, eps: float = 1e-6):
+        """``x / max(||x||_2, eps)`` over the last axis; zero rows stay zero with zero gradient."""
+        xp = self.xp
+        sq = xp.sum(x * x, axis=-1, keepdims=True)
+        return x / xp.sqrt(xp.maximum(sq, eps * eps))
+
+    def logsumexp(self, x, axis: int = -1):
+        xp = self.xp
+        m = self.stop_gradient(xp.max(x, axis=axis, keepdims=True))
+        return xp.squeeze(m, axis=axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
+
+    def gather_rows(self, table, idx):
+        """``table[N, ...]`` at ``idx[...]`` int32 -> ``[*idx.shape, ...]``. Indices are validated
+        on the host; out-of-range behaviour differs between libraries and is never relied on."""
+        xp = self.xp
+        flat = xp.reshape(idx, (-1,))
+        out = xp.take(table, flat, axis=0)
+        return xp.reshape(out, tuple(idx.shape) + tuple(table.shape[1:]))
+
+    def segment_sum(self, data, segment_ids, num_segments: int):
+        """``out[s] = sum(data[t] for t with segment_ids[t] == s)``; ids outside [0, S) are dropped.
+
+        Reference: a one-hot matmul (O(S*T), written on the Array API which has no scatter).
+        """
+        xp = self.xp
+        seg = xp.arange(num_segments, dtype=segment_ids.dtype)
+        onehot = xp.astype(xp.reshape(seg, (-1, 1)) == xp.reshape(segment_ids, (1, -1)), data.dtype)
+        flat = xp.reshape(data, (data.shape[0], -1))
+        return xp.reshape(xp.matmul(onehot, flat), (num_segments,) + tuple(data.shape[1:]))
+
+    def time_bucket_thresholds(self, num_buckets: int):
+        if num_buckets not in self._thresholds_cache:
+            self._thresholds_cache[num_buckets] = self.asarray(time_bucket_thresholds(num_buckets))
+        return self._thresholds_cache[num_buckets]
+
+    def relative_bias(self, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None, query_ts=None):
+        """Dense relative attention bias ``[B, L, L]`` of one HSTU layer (shared by all heads).
+
+        pos_w[2n-1]: ``rab_pos[i, j] = pos_w[(n-1) + j - i]`` (n = ``norm_len``).
+        ts_w[K+1], ts[T] int32, query_ts[T] int32:
+          ``rab_time[b, i, j] = ts_w[bucket(query_ts[i] - ts[j])]`` with
+          ``bucket(dt) = clamp(floor(log(max(|dt|, 1)) / 0.301), 0, K)``.
+        query_ts[i] is the time of the item position i predicts (the request time).
+        Returns None when both terms are off.
+        """
+        xp = self.xp
+        L = layout.max_len
+        bias = None
+        if pos_w is not None:
+            i = xp.reshape(xp.arange(L, dtype=xp.int32), (L, 1))
+            j = xp.reshape(xp.arange(L, dtype=xp.int32), (1, L))
+            rel = (norm_len - 1) + j - i
+            bias = xp.reshape(self.gather_rows(pos_w, rel), (1, L, L))
+        if ts_w is not None:
+            num_buckets = ts_w.shape[0] - 1
+            ts_d = self.gather_rows(self._ext(ts), layout.dense_index)          # [B, L]
+            q_d = self.gather_rows(self._ext(query_ts), layout.dense_index)     # [B, L]
+            gap = xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
+            bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
+            bucket = xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
+            t_bias = self.gather_rows(ts_w, bucket)
+            bias = t_bias if bias is None else bias + t_bias
+        return bias
+
+    def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
+        """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
+        y = self.silu(self.xp.matmul(x, w))
+        out, start = [], 0
+        for size in splits:
+            out.append(y[:, start:start + size])
+            start += size
+        return tuple(out)
+
+    def hstu_attention(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
+                       query_ts=None):
+        """Jagged causal HSTU attention.
+
+        q[T, H, dqk], k[T, H, dqk], v[T, H, dv] -> [T, H, dv] (zeros on padding rows):
+        ``out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j``, with
+        n = ``norm_len`` a fixed normaliser (no softmax, no 1/sqrt(d)) and rab from
+        ``relative_bias``. Reference: padded dense ``[B, H, L, L]``.
+        """
+        xp = self.xp
+        L, Bc = layout.max_len, layout.b_cap
+        H = q.shape[1]
+
+        def dense(x):  # [T, H, d] -> [B, H, L, d]
+            return xp.permute_dims(self.gather_rows(self._ext(x), layout.dense_index), (0, 2, 1, 3))
+
+        qd, kd, vd = dense(q), dense(k), dense(v)
+        scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2)))                # [B, H, L, L]
+        bias = self.relative_bias(layout, norm_len, pos_w, ts_w, ts, query_ts)
+        if bias is not None:
+            scores = scores + xp.reshape(bias, (-1, 1, L, L))
+        i = xp.reshape(xp.arange(L, dtype=xp.int32), (1, 1, L, 1))
+        j = xp.reshape(xp.arange(L, dtype=xp.int32), (1, 1, 1, L))
+        valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1, 1))
+        mask = xp.astype(xp.logical_and(j <= i, valid_j), scores.dtype)
+        probs = self.silu(scores) * (mask / norm_len)
+        out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                # [B, L, H, dv]
+        real = layout.seq_id < Bc
+        flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
+        rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
+        return rows * xp.reshape(xp.astype(real, rows.dtype), (-1, 1, 1))
+
+    def hstu_norm_mul(self, av, u, eps: float = 1e-6):
+        """``u[T, H*dv] * LayerNorm(av[T, H*dv])`` (norm over all heads together, as GR research)."""
+        return u * self.layer_norm(av, eps)

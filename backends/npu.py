@@ -1,0 +1,33 @@
+"""npu backend: the torch backend on an Ascend NPU, with fused HSTU ops from npu_ops.
+
+It overrides only fused ops. ``torch_npu`` is probed lazily when the backend is created and,
+if it cannot be imported, creation fails with the real reason: a run that asked for npu never
+falls back to CPU silently.
+"""
+from __future__ import annotations
+
+from .base import Backend
+from .torch import TorchBackend
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why and how to fix it."""
+
+
+class NpuBackend(TorchBackend):
+    name = "npu"
+
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "auto"):
+        import npu_ops
+
+        ok, reason = npu_ops.torch_npu_status()
+        if not ok:
+            raise BackendUnavailable(f"backend 'npu' is unavailable: {reason}")
+        super().__init__(device or "npu", dtype)
+        # "mxrec" (Ascend RecSDK torch.ops.mxrec.hstu_jagged), "triton" (portable Triton kernel
+        # under triton-ascend) or "auto" (mxrec when its ops are loaded, else triton).
+        self._hstu_attention = npu_ops.select_hstu_attention(hstu_kernel)
+
+    def hstu_attention(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
+        bias = Backend.relative_bias(self, layout, norm_len, pos_w, ts_w, ts, query_ts)
+        return self._hstu_attention(q, k, v, layout, norm_len, bias)

@@ -1,0 +1,75 @@
+"""torch backend (CPU/CUDA): ``array_api_compat.torch`` as ``xp`` and classic autograd.
+
+``value_and_grad`` uses ``torch.autograd.grad`` over detached leaf tensors, not torch.func:
+vendor kernels are ctx-style ``autograd.Function``s, which fail under torch.func (measured in
+shared/reference/design_anchors.md §2.3).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from gr_functional.tree import tree_items, tree_map, tree_map_with_path
+
+from .base import Backend
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, device: str | None = None, dtype: str = "float32"):
+        super().__init__(device, dtype)
+        import array_api_compat.torch as xp
+        import torch
+
+        self._torch = torch
+        self.xp = xp
+        self.torch_device = torch.device(device or "cpu")
+
+    def asarray(self, x, dtype=None):
+        t = self._torch.as_tensor(np.asarray(x) if not isinstance(x, self._torch.Tensor) else x,
+                                  device=self.torch_device)
+        return t if dtype is None else t.to(dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        if isinstance(x, self._torch.Tensor):
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+
+    def value_and_grad(self, f: Callable, has_aux: bool = False) -> Callable:
+        torch = self._torch
+
+        def wrapped(params, *args, **kwargs):
+            with torch.enable_grad():
+                leaves = tree_map(lambda p: p.detach().requires_grad_(p.is_floating_point()), params)
+                out = f(leaves, *args, **kwargs)
+                loss, aux = out if has_aux else (out, None)
+                paths = [(path, leaf) for path, leaf in tree_items(leaves) if leaf.requires_grad]
+                grads = torch.autograd.grad(loss, [leaf for _, leaf in paths], allow_unused=True)
+            by_path = {path: (torch.zeros_like(leaf) if g is None else g)
+                       for (path, leaf), g in zip(paths, grads)}
+            grad_tree = tree_map_with_path(lambda path, leaf: by_path.get(path, torch.zeros_like(leaf)),
+                                           leaves)
+            detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            value = (loss.detach(), tree_map(detach, aux)) if has_aux else loss.detach()
+            return value, grad_tree
+
+        return wrapped
+
+    def stop_gradient(self, x):
+        return x.detach()
+
+    # native kernel ops -------------------------------------------------------------
+    def silu(self, x):
+        return self._torch.nn.functional.silu(x)
+
+    def logsumexp(self, x, axis: int = -1):
+        return self._torch.logsumexp(x, dim=axis)
+
+    def segment_sum(self, data, segment_ids, num_segments: int):
+        # one extra bin swallows ids outside [0, S) (padding tokens use id S), as jax drops them
+        ids = segment_ids.long()
+        ids = ids.masked_fill((ids < 0) | (ids >= num_segments), num_segments)
+        out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
+        return out.index_add(0, ids, data)[:num_segments]

@@ -1,0 +1,129 @@
+"""The HSTU training/eval batch and its host-side (numpy) construction.
+
+All randomness of a step (negatives, dropout masks) is drawn here from a numpy Generator and
+passed to the model as data, so every backend computes the same function of the same inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .jagged import Jagged, JaggedError
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class HSTUBatch:
+    """One jagged batch of user histories (all per-token arrays share ``tokens``' layout).
+
+      tokens      Jagged, values[T] int32: input item ids (0 on padding rows)
+      ts          [T] int32  event time of each token, seconds since the batch's earliest event
+      query_ts    [T] int32  time of the event this position predicts (the request time)
+      targets     [T] int32  item id to predict at each position (0 = no supervision)
+      weights     [T] float  supervision weight (1 where targets > 0)
+      negatives   [T, R] int32 sampled negative ids, or None (evaluation)
+      input_keep  [T, D] float dropout keep-mask already scaled by 1/(1-p), or None (no dropout)
+      block_keep  [N_blocks, T, H*dv] float, likewise for each block's output dropout, or None
+    """
+
+    tokens: Jagged
+    ts: Any
+    query_ts: Any
+    targets: Any
+    weights: Any
+    negatives: Any = None
+    input_keep: Any = None
+    block_keep: Any = None
+
+    @property
+    def layout(self) -> Jagged:
+        return self.tokens
+
+
+def _dropout_keep(rng: np.random.Generator, shape, p: float, real_rows: int) -> np.ndarray | None:
+    if p <= 0.0:
+        return None
+    keep = np.zeros(shape, dtype=np.float32)
+    body = (rng.random((real_rows,) + tuple(shape[1:])) >= p).astype(np.float32) / (1.0 - p)
+    keep[:real_rows] = body
+    return keep
+
+
+def _relative_times(times: list[np.ndarray]) -> int:
+    lo = min((int(t.min()) for t in times if len(t)), default=0)
+    hi = max((int(t.max()) for t in times if len(t)), default=0)
+    if hi - lo > _INT32_MAX:
+        raise JaggedError(f"timestamps in one batch span {hi - lo} units, more than int32 holds; "
+                          f"use seconds, not milliseconds")
+    return lo
+
+
+def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg: ModelConfig, *,
+               query_times: Sequence[int] | None = None, rng: np.random.Generator | None = None,
+               num_items: int | None = None, train: bool = True, t_cap: int | None = None,
+               b_cap: int | None = None) -> HSTUBatch:
+    """Build a batch from per-user id sequences and their timestamps (seconds, sorted by time).
+
+    train=True: each sequence s (length m >= 2) becomes inputs ``s[:-1]`` predicting ``s[1:]``,
+    keeping the most recent ``cfg.max_len`` positions; negatives and dropout masks are drawn from
+    ``rng``. train=False: each sequence is a full history (most recent ``max_len`` kept) whose
+    last position is scored; ``query_times[b]`` is the time of the held-out item (request time).
+    """
+    n_items = num_items or cfg.num_items
+    inputs, in_ts, q_ts, targets = [], [], [], []
+    for b, (ids, ts) in enumerate(zip(histories, times)):
+        ids = np.asarray(ids)
+        ts = np.asarray(ts, dtype=np.int64)
+        if len(ids) != len(ts):
+            raise JaggedError(f"sequence {b}: {len(ids)} ids but {len(ts)} timestamps")
+        if train:
+            if len(ids) < 2:
+                raise JaggedError(f"sequence {b} has {len(ids)} event(s); training needs >= 2")
+            inputs.append(ids[:-1][-cfg.max_len:])
+            targets.append(ids[1:][-cfg.max_len:])
+            in_ts.append(ts[:-1][-cfg.max_len:])
+            q_ts.append(ts[1:][-cfg.max_len:])
+        else:
+            if len(ids) < 1:
+                raise JaggedError(f"sequence {b} is empty; evaluation needs >= 1 history event")
+            hist, hts = ids[-cfg.max_len:], ts[-cfg.max_len:]
+            q = hts[1:]
+            last = int(query_times[b]) if query_times is not None else int(hts[-1])
+            inputs.append(hist)
+            targets.append(np.zeros_like(hist))
+            in_ts.append(hts)
+            q_ts.append(np.concatenate([q, [last]]))
+    origin = _relative_times(in_ts + q_ts)
+    tokens = Jagged.from_sequences(inputs, max_len=cfg.max_len, t_cap=t_cap, b_cap=b_cap)
+    if n_items and tokens.values.max(initial=0) > n_items:
+        raise JaggedError(f"item id {tokens.values.max()} > num_items={n_items}")
+    layout = tokens
+
+    ts_arr = _pack(layout, [t - origin for t in in_ts], np.int32)
+    q_arr = _pack(layout, [t - origin for t in q_ts], np.int32)
+    tgt = _pack(layout, targets, np.int32)
+    weights = (tgt > 0).astype(np.float32)
+    negatives = input_keep = block_keep = None
+    if train:
+        if rng is None:
+            raise ValueError("make_batch(train=True) needs rng for negatives and dropout masks")
+        T, real = layout.t_cap, layout.num_tokens()
+        negatives = np.zeros((T, cfg.num_negatives), dtype=np.int32)
+        negatives[:real] = rng.integers(1, n_items + 1, size=(real, cfg.num_negatives), dtype=np.int32)
+        input_keep = _dropout_keep(rng, (T, cfg.embed_dim), cfg.input_dropout, real)
+        if cfg.linear_dropout > 0:
+            block_keep = np.stack([_dropout_keep(rng, (T, cfg.num_heads * cfg.dv), cfg.linear_dropout, real)
+                                   for _ in range(cfg.num_blocks)])
+    return HSTUBatch(tokens, ts_arr, q_arr, tgt, weights, negatives, input_keep, block_keep)
+
+
+def _pack(layout: Jagged, seqs: Sequence[np.ndarray], dtype) -> np.ndarray:
+    out = np.zeros(layout.t_cap, dtype=dtype)
+    total = layout.num_tokens()
+    if total:
+        out[:total] = np.concatenate([np.asarray(s) for s in seqs]).astype(dtype)
+    return out

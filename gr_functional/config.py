@@ -1,0 +1,233 @@
+"""Typed run configuration: frozen dataclasses filled from a TOML file and ``--set`` overrides.
+
+The schema lives here (typed, documented); TOML files hold values. Unknown sections or keys
+and values of the wrong type are errors that name the file and key and list the valid keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "synthetic"      # synthetic | ml-1m | ml-20m | kuairand
+    path: str = ""                  # data file or folder; "" = the dataset's default under GRF_DATA_DIR
+    seed: int = 0                   # synthetic generator seed
+    synthetic_users: int = 2000
+    synthetic_items: int = 3000
+    synthetic_max_events: int = 400  # real KuaiRand-27K lengths, truncated here
+    zipf_a: float = 1.05             # item popularity exponent of the synthetic generator
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_items: int = 0              # item ids are 1..num_items (0 = padding); 0 = take from the data
+    embed_dim: int = 50
+    num_blocks: int = 2
+    num_heads: int = 1
+    dqk: int = 50                   # per-head query/key width
+    dv: int = 50                    # per-head value width
+    max_len: int = 200              # history truncated to the most recent max_len events
+    max_output_len: int = 11        # GR: attention normaliser n = max_len + max_output_len (211 on ML)
+    num_time_buckets: int = 128
+    pos_bias: bool = True           # relative position attention bias
+    time_bias: bool = True          # relative (log-bucketed) time attention bias
+    input_dropout: float = 0.2
+    linear_dropout: float = 0.2
+    temperature: float = 0.05
+    num_negatives: int = 128
+    ln_eps: float = 1e-6
+    l2_eps: float = 1e-6
+
+    @property
+    def norm_len(self) -> int:
+        """The fixed attention normaliser n (GR: padded length max_len + max_output_len)."""
+        return self.max_len + self.max_output_len
+
+    @property
+    def uvqk_splits(self) -> tuple[int, int, int, int]:
+        h = self.num_heads
+        return (h * self.dv, h * self.dv, h * self.dqk, h * self.dqk)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 42
+    epochs: int = 101
+    batch_size: int = 128           # sequences per step
+    max_steps: int = 0              # stop after this many steps (0 = no limit)
+    eval_every: int = 1             # epochs between evaluations
+    log_every: int = 10             # steps between metrics.jsonl lines
+    checkpoint_every: int = 0       # steps between checkpoints (0 = end of each epoch only)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    batch_size: int = 256
+    ks: tuple[int, ...] = (10, 50, 200)
+    max_users: int = 0              # evaluate the first N users only (0 = all)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str = "torch"             # jax | torch | npu
+    device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_class(name: str):
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}[name]().__class__
+
+
+def _coerce(value: Any, typ, where: str):
+    origin = typing.get_origin(typ)
+    if origin is tuple:
+        (inner, *_rest) = typing.get_args(typ)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list of {inner.__name__}, got {value!r}")
+        return tuple(_coerce(v, inner, where) for v in value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {typ}")
+
+
+def _hints(cls):
+    return typing.get_type_hints(cls)
+
+
+def build_config(values: dict, source: str = "<config>") -> Config:
+    """Config from a nested dict ``{section: {key: value}}``; errors name ``source``."""
+    sections = {}
+    for name, body in values.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of key = value")
+        cls = _section_class(name)
+        hints = _hints(cls)
+        kwargs = {}
+        for key, value in body.items():
+            if key not in hints:
+                raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys in [{name}]: "
+                                  f"{', '.join(hints)}")
+            kwargs[key] = _coerce(value, hints[key], f"{source}: {name}.{key}")
+        sections[name] = cls(**kwargs)
+    return Config(**sections)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"model.num_blocks=4"`` -> ("model", "num_blocks", 4); TOML value syntax, bare strings allowed."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set model.num_blocks=4")
+    path, raw = text.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as --set backend.name=jax
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides."""
+    values: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found (configs live in experiments/configs/)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        values.setdefault(section, {})
+        if not isinstance(values[section], dict):
+            raise ConfigError(f"--set {text}: [{section}] is not a table")
+        values[section][key] = value
+    return build_config(values, source)
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """Copy of ``cfg`` with some keys changed: ``replace(cfg, model={"num_blocks": 4})``."""
+    changes = {name: dataclasses.replace(getattr(cfg, name), **kv) for name, kv in sections.items()}
+    return dataclasses.replace(cfg, **changes)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The fully resolved config as TOML (written to ``OUT/config.toml``)."""
+    lines = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            lines.append(f"{f.name} = {_toml_value(getattr(body, f.name))}")
+        lines.append("")
+    return "\n".join(lines)

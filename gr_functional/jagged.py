@@ -1,0 +1,182 @@
+"""Jagged arrays: ``values[T_cap, ...]`` + ``offsets[B_cap+1]`` with static capacities.
+
+Built on the host in numpy by the data pipeline, then moved to a backend with
+``B.asarray_tree``. Derived index arrays (segment id and position per token, a padded-dense
+index map, the last token of each sequence) are computed here once, so no op ever needs a
+data-dependent shape: under ``jax.jit`` every batch of the same capacities reuses one program.
+
+Conventions (those of the HSTU kernels; adapters translate to vendor conventions):
+- ``offsets[0] == 0``, non-decreasing, ``offsets[B] == T`` (real tokens); slots ``b >= B`` are empty.
+- Padding tokens ``t >= T`` belong to the dummy segment ``B_cap`` and are ignored by every op.
+- ``dense_index[b, i]`` is the token index of position ``i`` of sequence ``b``, or ``T_cap`` for an
+  empty cell (gathers read a zero row appended at ``T_cap``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from .tree import static_field
+
+INDEX_DTYPE = np.int32
+_INT32 = np.iinfo(np.int32)
+
+
+class JaggedError(ValueError):
+    """A jagged array was malformed; the message says what and how to fix it."""
+
+
+def round_up_capacity(n: int, minimum: int = 8) -> int:
+    """Smallest capacity in the ladder {2^k, 1.5*2^k} (>= minimum) that holds ``n``.
+
+    A short ladder keeps the number of compiled JAX programs small (one per capacity) while
+    wasting at most a third of the slots.
+    """
+    cap = minimum
+    while True:
+        if cap >= n:
+            return cap
+        if cap * 3 // 2 >= n and (cap * 3) % 2 == 0:
+            return cap * 3 // 2
+        cap *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Jagged:
+    """A batch of variable-length sequences without padding to ``max_len``.
+
+    Fields (numpy on the host, backend arrays after ``B.asarray_tree``):
+      values[T_cap, ...]         any dtype; rows ``>= T`` are padding (zeros)
+      offsets[B_cap+1] int32     sequence b owns rows ``offsets[b]:offsets[b+1]``
+      lengths[B_cap] int32       ``offsets[1:] - offsets[:-1]``
+      seq_id[T_cap] int32        sequence of each row; padding rows -> ``B_cap``
+      pos[T_cap] int32           position of each row inside its sequence; padding -> 0
+      dense_index[B_cap, max_len] int32   row of (b, i), or ``T_cap`` for an empty cell
+      last_index[B_cap] int32    row of the last token of b, or ``T_cap`` for an empty slot
+      max_len: int (static)      longest allowed sequence; the padded-dense width
+    """
+
+    values: Any
+    offsets: Any
+    lengths: Any
+    seq_id: Any
+    pos: Any
+    dense_index: Any
+    last_index: Any
+    max_len: int = static_field()
+
+    @property
+    def t_cap(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def b_cap(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def with_values(self, values) -> "Jagged":
+        """Same layout, other per-token values (``values.shape[0]`` must equal ``T_cap``)."""
+        if values.shape[0] != self.values.shape[0]:
+            raise JaggedError(f"values has {values.shape[0]} rows, layout has T_cap={self.values.shape[0]}")
+        return dataclasses.replace(self, values=values)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_offsets(cls, values: np.ndarray, offsets: Sequence[int] | np.ndarray, *, max_len: int,
+                     t_cap: int | None = None, b_cap: int | None = None) -> "Jagged":
+        """Validate and build from packed ``values[T, ...]`` and ``offsets[B+1]``.
+
+        ``t_cap``/``b_cap`` default to ``round_up_capacity`` of the real sizes. Raises
+        ``JaggedError`` naming the first bad entry.
+        """
+        values = np.asarray(values)
+        offsets = np.asarray(offsets)
+        if offsets.ndim != 1 or offsets.shape[0] < 1:
+            raise JaggedError(f"offsets must be 1-D with B+1 >= 1 entries, got shape {offsets.shape}")
+        if not np.issubdtype(offsets.dtype, np.integer):
+            raise JaggedError(f"offsets must be integers, got dtype {offsets.dtype}")
+        if offsets[0] != 0:
+            raise JaggedError(f"offsets[0] must be 0, got {offsets[0]}")
+        steps = np.diff(offsets.astype(np.int64))
+        if (steps < 0).any():
+            b = int(np.argmax(steps < 0))
+            raise JaggedError(f"offsets must be non-decreasing: offsets[{b}]={offsets[b]} > offsets[{b + 1}]={offsets[b + 1]}")
+        if values.ndim < 1:
+            raise JaggedError("values must have at least one axis (tokens)")
+        total = int(offsets[-1])
+        if total != values.shape[0]:
+            raise JaggedError(f"offsets[-1]={total} but values has {values.shape[0]} rows")
+        if steps.size and steps.max() > max_len:
+            b = int(np.argmax(steps))
+            raise JaggedError(f"sequence {b} has length {steps[b]} > max_len={max_len}; truncate it "
+                              f"(keep the most recent max_len events) or raise max_len")
+        _check_fits_int32(values, "values")
+        n_seq = offsets.shape[0] - 1
+        b_cap = round_up_capacity(n_seq, 1) if b_cap is None else b_cap
+        t_cap = round_up_capacity(total) if t_cap is None else t_cap
+        if b_cap < n_seq:
+            raise JaggedError(f"b_cap={b_cap} < number of sequences {n_seq}")
+        if t_cap < total:
+            raise JaggedError(f"t_cap={t_cap} < number of tokens {total}")
+        if t_cap >= _INT32.max:
+            raise JaggedError(f"t_cap={t_cap} does not fit the int32 index dtype")
+
+        offsets_cap = np.full(b_cap + 1, total, dtype=INDEX_DTYPE)
+        offsets_cap[: n_seq + 1] = offsets
+        lengths = np.diff(offsets_cap).astype(INDEX_DTYPE)
+        seq_id = np.full(t_cap, b_cap, dtype=INDEX_DTYPE)
+        seq_id[:total] = np.repeat(np.arange(b_cap, dtype=INDEX_DTYPE), lengths)
+        pos = np.zeros(t_cap, dtype=INDEX_DTYPE)
+        pos[:total] = np.arange(total, dtype=INDEX_DTYPE) - offsets_cap[seq_id[:total]]
+        dense_index = np.full((b_cap, max_len), t_cap, dtype=INDEX_DTYPE)
+        dense_index[seq_id[:total], pos[:total]] = np.arange(total, dtype=INDEX_DTYPE)
+        last_index = np.where(lengths > 0, offsets_cap[1:] - 1, t_cap).astype(INDEX_DTYPE)
+        padded = np.zeros((t_cap,) + values.shape[1:], dtype=_canonical_dtype(values.dtype))
+        padded[:total] = values
+        return cls(padded, offsets_cap, lengths, seq_id, pos, dense_index, last_index, int(max_len))
+
+    @classmethod
+    def from_sequences(cls, sequences: Sequence[np.ndarray], *, max_len: int, t_cap: int | None = None,
+                       b_cap: int | None = None) -> "Jagged":
+        """Build from a list of per-sequence arrays ``[L_b, ...]`` (each ``L_b <= max_len``)."""
+        lengths = [len(s) for s in sequences]
+        offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if sequences:
+            values = np.concatenate([np.asarray(s) for s in sequences], axis=0)
+        else:
+            values = np.zeros((0,), dtype=np.int32)
+        return cls.from_offsets(values, offsets, max_len=max_len, t_cap=t_cap, b_cap=b_cap)
+
+    # ------------------------------------------------------------------ host-side views
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.offsets)[-1])
+
+    def to_sequences(self) -> list[np.ndarray]:
+        """Real sequences as numpy arrays (host only; drops empty slots at the end)."""
+        values, offsets = np.asarray(self.values), np.asarray(self.offsets)
+        return [values[offsets[b]:offsets[b + 1]] for b in range(self.b_cap)]
+
+    def to_padded(self, fill=0) -> np.ndarray:
+        """Padded dense ``[B_cap, max_len, ...]`` numpy copy (the oracle layout in tests)."""
+        values = np.asarray(self.values)
+        ext = np.concatenate([values, np.full((1,) + values.shape[1:], fill, values.dtype)], axis=0)
+        return ext[np.asarray(self.dense_index)]
+
+
+def _canonical_dtype(dtype):
+    # int64 ids would be silently truncated by JAX (x64 off): store ids as int32 once checked.
+    if np.issubdtype(dtype, np.integer):
+        return np.int32
+    return dtype
+
+
+def _check_fits_int32(values: np.ndarray, name: str) -> None:
+    if np.issubdtype(values.dtype, np.integer) and values.size:
+        lo, hi = values.min(), values.max()
+        if lo < _INT32.min or hi > _INT32.max:
+            bad = hi if hi > _INT32.max else lo
+            raise JaggedError(f"{name} holds {bad}, which does not fit the int32 index dtype (JAX would "
+                              f"silently truncate it); remap ids to a dense range 1..N first "
+                              f"(gr_functional.data remaps ids when loading)")

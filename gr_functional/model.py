@@ -1,0 +1,153 @@
+"""HSTU (research layer of meta-recsys/generative-recommenders), written once for every backend.
+
+Per block, on jagged x[T, D] (formulas in shared/reference/hstu_anchors.md §1.2-1.6):
+    u, v, q, k = split(SiLU(LN(x) @ W_uvqk))                   LN parameter-free, eps 1e-6
+    A V        = sum_{j<=i} SiLU(q_i.k_j + rab_pos + rab_time) / n * v_j   (n fixed, no 1/sqrt(d))
+    x          = x + Dropout(u * LN(A V)) @ W_o + b_o
+Input: E_item[id] * sqrt(D) + E_pos[pos], dropout; output: L2-normalised. Loss: sampled softmax
+over L2-normalised item embeddings with temperature, negatives passed in as data.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .batch import HSTUBatch
+from .config import ModelConfig
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -> dict:
+    """Parameters as a nested dict of numpy float32 arrays, identical on every backend.
+
+      item_emb[N+1, D]  truncated normal std 0.02, row 0 (padding) zero
+      pos_emb[n+1, D]   xavier normal (GR re-initialises it so)
+      blocks[i]: w_uvqk[D, 2*H*dv + 2*H*dqk] N(0, 0.02); w_o[H*dv, D] xavier uniform;
+                 b_o[D] U(+-1/sqrt(H*dv)); rab_pos[2n-1], rab_time[K+1] N(0, 0.02) (if enabled)
+    """
+    n_items = num_items or cfg.num_items
+    if n_items <= 0:
+        raise ValueError("model.num_items must be set (> 0) before initialising parameters")
+    rng = np.random.default_rng(seed)
+    D, n = cfg.embed_dim, cfg.norm_len
+    hv = cfg.num_heads * cfg.dv
+
+    def trunc_normal(shape, std):
+        x = rng.standard_normal(shape)
+        bad = np.abs(x) > 2.0
+        while bad.any():
+            x[bad] = rng.standard_normal(int(bad.sum()))
+            bad = np.abs(x) > 2.0
+        return (x * std).astype(np.float32)
+
+    def xavier_normal(shape):
+        std = math.sqrt(2.0 / (shape[0] + shape[1]))
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def xavier_uniform(shape):
+        a = math.sqrt(6.0 / (shape[0] + shape[1]))
+        return rng.uniform(-a, a, shape).astype(np.float32)
+
+    item_emb = trunc_normal((n_items + 1, D), 0.02)
+    item_emb[0] = 0.0
+    params = {"item_emb": item_emb, "pos_emb": xavier_normal((n + 1, D)), "blocks": []}
+    for _ in range(cfg.num_blocks):
+        block = {
+            "w_uvqk": (rng.standard_normal((D, sum(cfg.uvqk_splits))) * 0.02).astype(np.float32),
+            "w_o": xavier_uniform((hv, D)),
+            "b_o": rng.uniform(-1 / math.sqrt(hv), 1 / math.sqrt(hv), (D,)).astype(np.float32),
+        }
+        if cfg.pos_bias:
+            block["rab_pos"] = (rng.standard_normal(2 * n - 1) * 0.02).astype(np.float32)
+        if cfg.time_bias:
+            block["rab_time"] = (rng.standard_normal(cfg.num_time_buckets + 1) * 0.02).astype(np.float32)
+        params["blocks"].append(block)
+    return params
+
+
+def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, trace: dict | None = None,
+               name: str = "block"):
+    """One HSTU block on x[T, D] -> [T, D]; ``keep[T, H*dv]`` is the dropout mask or None."""
+    xp = B.xp
+    T = x.shape[0]
+    H = cfg.num_heads
+    normed = B.layer_norm(x, cfg.ln_eps)
+    u, v, q, k = B.hstu_uvqk(normed, p["w_uvqk"], cfg.uvqk_splits)
+    av = B.hstu_attention(
+        xp.reshape(q, (T, H, cfg.dqk)), xp.reshape(k, (T, H, cfg.dqk)), xp.reshape(v, (T, H, cfg.dv)),
+        batch.layout, cfg.norm_len, pos_w=p.get("rab_pos"), ts_w=p.get("rab_time"),
+        ts=batch.ts, query_ts=batch.query_ts)
+    av = xp.reshape(av, (T, H * cfg.dv))
+    y = B.hstu_norm_mul(av, u, cfg.ln_eps)
+    if keep is not None:
+        y = y * keep
+    out = x + xp.matmul(y, p["w_o"]) + p["b_o"]
+    out = out * xp.reshape(B.token_mask(batch.layout), (-1, 1))
+    if trace is not None:
+        trace[f"{name}.uvqk"] = xp.concat([u, v, q, k], axis=1)
+        trace[f"{name}.attention"] = av
+        trace[f"{name}.norm_mul"] = y
+        trace[f"{name}.output"] = out
+    return out
+
+
+def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
+    """User embeddings ``[T, D]`` (L2-normalised) at every position. ``trace``, if a dict, is
+    filled with the named activations of every layer in forward order (used by crosscheck)."""
+    xp = B.xp
+    layout = batch.layout
+    x = B.gather_rows(params["item_emb"], layout.values) * math.sqrt(cfg.embed_dim)
+    x = x + B.gather_rows(params["pos_emb"], layout.pos)
+    if batch.input_keep is not None:
+        x = x * batch.input_keep
+    x = x * xp.reshape(B.token_mask(layout), (-1, 1))
+    if trace is not None:
+        trace["input"] = x
+    for i, block in enumerate(params["blocks"]):
+        keep = None if batch.block_keep is None else batch.block_keep[i]
+        x = hstu_block(B, block, x, batch, cfg, keep, trace, name=f"blocks.{i}")
+    out = B.l2_normalize(x, cfg.l2_eps)
+    if trace is not None:
+        trace["output"] = out
+    return out
+
+
+def sampled_softmax_loss(B, user, item_table, targets, negatives, weights, cfg: ModelConfig):
+    """Mean over supervised positions of ``-log softmax([<u,e+>, <u,e-_1..R>] / tau)[0]``.
+
+    user[T, D] (L2-normalised), item_table[N+1, D] (raw; normalised here), targets[T] int32,
+    negatives[T, R] int32, weights[T]. A negative equal to the target gets logit -5e4 (GR).
+    Returns ``(loss, nll[T])``.
+    """
+    xp = B.xp
+    items = B.l2_normalize(item_table, cfg.l2_eps)
+    pos = xp.sum(user * B.gather_rows(items, targets), axis=-1) / cfg.temperature          # [T]
+    neg_emb = B.gather_rows(items, negatives)                                                # [T, R, D]
+    neg = xp.matmul(neg_emb, xp.reshape(user, (user.shape[0], -1, 1)))[..., 0] / cfg.temperature
+    hit = negatives == xp.reshape(targets, (-1, 1))
+    neg = xp.where(hit, xp.full(neg.shape, -5e4, dtype=neg.dtype), neg)
+    logits = xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1)
+    nll = B.logsumexp(logits, axis=1) - pos
+    total = xp.sum(weights)
+    loss = xp.sum(nll * weights) / xp.maximum(total, xp.ones_like(total))
+    return loss, nll
+
+
+def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
+    """Scalar training loss of a batch (token-weighted mean over supervised positions)."""
+    user = encode(B, params, batch, cfg, trace)
+    loss, _ = sampled_softmax_loss(B, user, params["item_emb"], batch.targets, batch.negatives,
+                                   batch.weights, cfg)
+    if trace is not None:
+        trace["loss"] = loss
+    return loss
+
+
+def score_last(B, params: dict, batch: HSTUBatch, cfg: ModelConfig):
+    """Scores ``[B_cap, N+1]`` of every item for the last position of each sequence (dot product
+    of L2-normalised user and item embeddings; column 0 is the padding id). Empty slots score 0."""
+    xp = B.xp
+    user = encode(B, params, batch, cfg)
+    last = B.gather_rows(B._ext(user), batch.layout.last_index)                              # [B, D]
+    items = B.l2_normalize(params["item_emb"], cfg.l2_eps)
+    return xp.matmul(last, xp.permute_dims(items, (1, 0)))
