@@ -68,7 +68,8 @@ class JaxBackend(Backend):
         return np.asarray(x)
 
     def value_and_grad(self, f: Callable, has_aux: bool = False) -> Callable:
-        return self._jax.value_and_grad(f, has_aux=has_aux)
+        # allow_int: integer leaves (index arrays riding along with params) get float0 grads
+        return self._jax.value_and_grad(f, has_aux=has_aux, allow_int=True)
 
     def jit(self, f: Callable) -> Callable:
         return self._jax.jit(f)

@@ -91,6 +91,14 @@ def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, tra
     return out
 
 
+def trace_names(cfg: ModelConfig) -> list[str]:
+    """Names ``loss_fn`` writes into ``trace``, in forward order."""
+    names = ["input"]
+    for i in range(cfg.num_blocks):
+        names += [f"blocks.{i}.{part}" for part in ("uvqk", "attention", "norm_mul", "output")]
+    return names + ["output", "loss"]
+
+
 def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
     """User embeddings ``[T, D]`` (L2-normalised) at every position. ``trace``, if a dict, is
     filled with the named activations of every layer in forward order (used by crosscheck)."""

@@ -1,0 +1,86 @@
+"""crosscheck passes on agreeing backends and names the first diverging layer on an injected fault."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backends import get_backend
+from backends.torch import TorchBackend
+from gr_functional import model
+from gr_functional.config import load_config
+from gr_functional.crosscheck import crosscheck, random_batch
+
+CFG = load_config(None, ["model.num_items=300", "model.max_len=20", "model.num_blocks=3",
+                         "model.num_heads=2", "model.dqk=8", "model.dv=8", "model.embed_dim=16"])
+
+
+class FaultyAttention(TorchBackend):
+    """A torch backend whose attention is wrong by 1e-3 in block 1 only (2nd call per forward)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = 0
+
+    def hstu_attention(self, *args, **kwargs):
+        out = super().hstu_attention(*args, **kwargs)
+        self.calls += 1
+        return out * 1.001 if self.calls % CFG.model.num_blocks == 2 else out
+
+
+class FaultyBackward(TorchBackend):
+    """Correct forward, wrong gradient of the uvqk projection (a backward-only kernel bug)."""
+
+    def hstu_uvqk(self, x, w, splits):
+        import torch
+
+        class Scaled(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 1.01
+
+        return super().hstu_uvqk(x, Scaled.apply(w), splits)
+
+
+def _report(other):
+    params = model.init_params(CFG.model, seed=0)
+    batch = random_batch(CFG, seed=0, num_users=6)
+    return crosscheck((get_backend("jax"), other), params, batch, CFG)
+
+
+def test_agreeing_backends_pass():
+    report = _report(get_backend("torch"))
+    assert report.ok, report.to_table()
+    assert report.first_failure is None
+    names = [r.name for r in report.rows]
+    assert names[:3] == ["input", "blocks.0.uvqk", "blocks.0.attention"]
+    assert names.index("loss") < names.index("blocks.2.w_o") < names.index("blocks.0.w_o")
+
+
+def test_forward_fault_names_first_diverging_layer():
+    report = _report(FaultyAttention())
+    assert not report.ok
+    assert report.first_failure.name == "blocks.1.attention"
+    assert "first diverging layer: blocks.1.attention" in report.to_table()
+    assert json.loads(report.to_json())["first_diverging"] == "blocks.1.attention"
+
+
+def test_backward_fault_is_named_by_gradient():
+    report = _report(FaultyBackward())
+    first = report.first_failure
+    assert first is not None and first.kind == "gradient"
+    assert first.name == f"blocks.{CFG.model.num_blocks - 1}.w_uvqk"
+
+
+@pytest.mark.parametrize("bad", ["nan"])
+def test_non_finite_output_fails(bad):
+    class NanBackend(TorchBackend):
+        def hstu_norm_mul(self, av, u, eps=1e-6):
+            return super().hstu_norm_mul(av, u, eps) * float(bad)
+
+    report = _report(NanBackend())
+    assert report.first_failure.name == "blocks.0.norm_mul"

@@ -1,0 +1,169 @@
+"""Every kernel op: each backend vs the float64 numpy oracle (forward), torch vs JAX (gradients)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends import get_backend
+from backends.base import Backend, time_bucket_thresholds
+
+from . import oracle
+from .common import FWD_TOL, GRAD_TOL, LAYOUT_CASES, make_layout, rel_err
+
+
+def test_kernel_op_list_is_covered():
+    tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
+              "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
+    assert set(Backend.KERNEL_OPS) == tested
+
+
+def _grads(name, f, inputs):
+    """Gradients of ``f(B, *inputs)`` (a scalar) w.r.t. the float inputs, on backend ``name``."""
+    B = get_backend(name)
+    args = B.asarray_tree(inputs)
+    _, g = B.value_and_grad(lambda a: f(B, a))(args)
+    return B.to_numpy_tree(g)
+
+
+def _assert_grads_agree(f, inputs):
+    gj, gt = _grads("jax", f, inputs), _grads("torch", f, inputs)
+    for key in inputs:
+        if np.issubdtype(np.asarray(inputs[key]).dtype, np.floating):
+            assert rel_err(gt[key], gj[key]) <= GRAD_TOL, key
+
+
+def test_elementwise_ops_vs_oracle(backend, rng):
+    x = rng.standard_normal((7, 5)).astype(np.float32) * 3
+    x[2] = 0.0  # zero row: l2_normalize must stay finite
+    x64 = x.astype(np.float64)
+    B, X = backend, backend.asarray(x)
+    assert rel_err(B.to_numpy(B.silu(X)), oracle.silu(x64)) <= FWD_TOL
+    assert rel_err(B.to_numpy(B.layer_norm(X, 1e-6)), oracle.layer_norm(x64)) <= FWD_TOL
+    assert rel_err(B.to_numpy(B.l2_normalize(X, 1e-6)), oracle.l2_normalize(x64)) <= FWD_TOL
+    assert rel_err(B.to_numpy(B.logsumexp(X, axis=1)), oracle.logsumexp(x64, axis=1)) <= FWD_TOL
+    assert rel_err(B.to_numpy(B.hstu_norm_mul(X, X * 2, 1e-6)), 2 * x64 * oracle.layer_norm(x64)) <= FWD_TOL
+
+
+def test_elementwise_ops_grads_torch_vs_jax(rng):
+    x = (rng.standard_normal((7, 5)) * 3).astype(np.float32)
+    x[2] = 0.0
+    cot = rng.standard_normal((7, 5)).astype(np.float32)
+
+    def f(B, a):
+        xp = B.xp
+        y = B.silu(a["x"]) + B.layer_norm(a["x"]) + B.l2_normalize(a["x"]) + B.hstu_norm_mul(a["x"], a["x"])
+        return xp.sum(y * a["cot"]) + xp.sum(B.logsumexp(a["x"], axis=1))
+
+    _assert_grads_agree(f, {"x": x, "cot": cot})
+
+
+def test_gather_and_segment_sum(backend, rng):
+    table = rng.standard_normal((10, 3)).astype(np.float32)
+    idx = rng.integers(0, 10, (4, 5)).astype(np.int32)
+    got = backend.to_numpy(backend.gather_rows(backend.asarray(table), backend.asarray(idx)))
+    np.testing.assert_array_equal(got, table[idx])
+    data = rng.standard_normal((9, 2)).astype(np.float32)
+    seg = np.array([0, 0, 2, 2, 2, 5, 1, 6, -1], dtype=np.int32)  # 6 and -1 are out of range: dropped
+    got = backend.to_numpy(backend.segment_sum(backend.asarray(data), backend.asarray(seg), 6))
+    assert rel_err(got, oracle.segment_sum(data.astype(np.float64), seg, 6)) <= FWD_TOL
+
+
+def test_gather_and_segment_sum_grads(rng):
+    inputs = {"table": rng.standard_normal((10, 3)).astype(np.float32),
+              "idx": rng.integers(0, 10, (13,)).astype(np.int32),     # duplicates accumulate
+              "seg": np.array([0, 1, 1, 3, 3, 3, 0, 2, 2, 1, 0, 3, 3], dtype=np.int32),
+              "cot": rng.standard_normal((4, 3)).astype(np.float32)}
+
+    def f(B, a):
+        rows = B.gather_rows(a["table"], a["idx"])
+        return B.xp.sum(B.segment_sum(rows * rows, a["seg"], 4) * a["cot"])
+
+    _assert_grads_agree(f, inputs)
+
+
+def test_time_bucket_thresholds_match_float64_log():
+    thr = time_bucket_thresholds(128)
+    gaps = np.concatenate([np.arange(0, 5000), thr.astype(np.int64) - 1, thr.astype(np.int64),
+                           np.array([10**6, 10**8, 2**31 - 2])])
+    gaps = gaps[(gaps >= 0) & (gaps < 2**31 - 1)]
+    got = np.clip(np.searchsorted(thr, np.maximum(gaps, 1), side="right") - 1, 0, 128)
+    want = np.array([oracle.time_bucket(g, 128) for g in gaps])
+    np.testing.assert_array_equal(got, want)
+
+
+def _attention_inputs(case, rng, heads=2, dqk=4, dv=3, with_bias=True, norm_len=17):
+    layout = make_layout(case)
+    T = layout.t_cap
+    real = layout.num_tokens()
+    mask = (np.arange(T) < real)[:, None, None]
+    q = (rng.standard_normal((T, heads, dqk)) * mask).astype(np.float32)
+    k = (rng.standard_normal((T, heads, dqk)) * mask).astype(np.float32)
+    v = (rng.standard_normal((T, heads, dv)) * mask).astype(np.float32)
+    ts = np.zeros(T, np.int32)
+    ts[:real] = rng.integers(0, 10**7, real)
+    query_ts = np.zeros(T, np.int32)
+    query_ts[:real] = ts[:real] + rng.integers(0, 10**5, real)
+    inputs = {"q": q, "k": k, "v": v, "ts": ts, "query_ts": query_ts}
+    if with_bias:
+        inputs["pos_w"] = rng.standard_normal(2 * norm_len - 1).astype(np.float32)
+        inputs["ts_w"] = rng.standard_normal(129).astype(np.float32)
+    return layout, inputs, norm_len
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_hstu_attention_vs_oracle(backend, rng, case, with_bias):
+    layout, inputs, n = _attention_inputs(case, rng, with_bias=with_bias)
+    B = backend
+    a = B.asarray_tree(inputs)
+    lay = B.asarray_tree(layout)
+    out = B.hstu_attention(a["q"], a["k"], a["v"], lay, n, pos_w=a.get("pos_w"), ts_w=a.get("ts_w"),
+                           ts=a["ts"], query_ts=a["query_ts"])
+    f64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    want = oracle.hstu_attention(f64["q"], f64["k"], f64["v"], layout.offsets, n, f64.get("pos_w"),
+                                 f64.get("ts_w"), inputs["ts"], inputs["query_ts"])
+    assert rel_err(B.to_numpy(out), want) <= FWD_TOL
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_hstu_attention_grads_torch_vs_jax(rng, case):
+    layout, inputs, n = _attention_inputs(case, rng)
+    inputs["cot"] = rng.standard_normal(inputs["v"].shape).astype(np.float32)
+    inputs["layout"] = layout
+
+    def f(B, a):
+        out = B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, pos_w=a["pos_w"], ts_w=a["ts_w"],
+                               ts=a["ts"], query_ts=a["query_ts"])
+        return B.xp.sum(out * a["cot"])
+
+    gj, gt = _grads("jax", f, inputs), _grads("torch", f, inputs)
+    for key in ("q", "k", "v", "pos_w", "ts_w"):
+        assert rel_err(gt[key], gj[key]) <= GRAD_TOL, key
+
+
+def test_relative_bias_vs_oracle(backend, rng):
+    layout, inputs, n = _attention_inputs("mixed", rng)
+    B = backend
+    a = B.asarray_tree(inputs)
+    bias = B.to_numpy(B.relative_bias(B.asarray_tree(layout), n, a["pos_w"], a["ts_w"], a["ts"], a["query_ts"]))
+    f64 = {k: v.astype(np.float64) for k, v in inputs.items() if k in ("pos_w", "ts_w")}
+    for b, (s, e) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
+        want = oracle.relative_bias_seq(e - s, n, f64["pos_w"], f64["ts_w"], inputs["ts"][s:e],
+                                        inputs["query_ts"][s:e])
+        assert rel_err(bias[b, : e - s, : e - s], want) <= FWD_TOL
+
+
+def test_hstu_uvqk_vs_oracle_and_grads(backend, rng):
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    w = (rng.standard_normal((8, 14)) * 0.3).astype(np.float32)
+    splits = (3, 3, 4, 4)
+    got = backend.hstu_uvqk(backend.asarray(x), backend.asarray(w), splits)
+    want = oracle.silu(x.astype(np.float64) @ w.astype(np.float64))
+    for part, (lo, hi) in zip(got, [(0, 3), (3, 6), (6, 10), (10, 14)]):
+        assert rel_err(backend.to_numpy(part), want[:, lo:hi]) <= FWD_TOL
+    cot = rng.standard_normal((6, 14)).astype(np.float32)
+
+    def f(B, a):
+        return B.xp.sum(B.xp.concat(B.hstu_uvqk(a["x"], a["w"], splits), axis=1) * a["cot"])
+
+    _assert_grads_agree(f, {"x": x, "w": w, "cot": cot})
