@@ -157,8 +157,8 @@ def _load_mxrec_libraries(torch) -> list[str]:
     ``libfbgemm_npu_api.so``), ``import rec_cust_ops`` (newer RecSDK packaging, per RecSDK
     issues #1346/#1350), then ``<purelib>/libfbgemm_npu_api.so`` (the path RecSDK's README loads).
     """
-    tried = []
     paths = [p for p in os.environ.get(MXREC_LIB_VAR, "").split(os.pathsep) if p]
+    tried = [] if paths else [f"${MXREC_LIB_VAR} is not set"]
     default_so = os.path.join(sysconfig.get_path("purelib"), "libfbgemm_npu_api.so")
     for path in paths:
         try:
@@ -184,8 +184,6 @@ def _load_mxrec_libraries(torch) -> list[str]:
                 tried.append(f"load_library({default_so!r}) failed: {_describe(exc)}")
         else:
             tried.append(f"{default_so} does not exist")
-    if not paths:
-        tried.append(f"${MXREC_LIB_VAR} is not set")
     return tried
 
 
