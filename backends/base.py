@@ -50,7 +50,11 @@ class Backend:
 
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
-                  "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul")
+                  "sampled_logits", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul")
+    # sampled_logits scores all items with one matmul when the catalogue is at most this many
+    # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows; measured 2.5x
+    # on ML-1M shapes, T=21k, R=128, N=3953); beyond it, it gathers only the sampled rows.
+    DENSE_LOGITS_MAX_RATIO = 64
 
     def __init__(self, device: str | None = None, dtype: str = "float32"):
         if dtype not in ("float32", "float64"):
@@ -152,6 +156,19 @@ class Backend:
         onehot = xp.astype(xp.reshape(seg, (-1, 1)) == xp.reshape(segment_ids, (1, -1)), data.dtype)
         flat = xp.reshape(data, (data.shape[0], -1))
         return xp.reshape(xp.matmul(onehot, flat), (num_segments,) + tuple(data.shape[1:]))
+
+    def sampled_logits(self, user, items, ids):
+        """``out[t, r] = <user[t], items[ids[t, r]]>``: user[T, D], items[N, D], ids[T, R] int32 -> [T, R].
+
+        Two exact formulations chosen by static shapes (not by backend): a dense ``user @ items^T``
+        followed by a per-row gather when N <= DENSE_LOGITS_MAX_RATIO * R, else a row gather.
+        """
+        xp = self.xp
+        n_items, n_ids = items.shape[0], ids.shape[1]
+        if n_items <= self.DENSE_LOGITS_MAX_RATIO * n_ids:
+            return xp.take_along_axis(xp.matmul(user, xp.permute_dims(items, (1, 0))), ids, axis=1)
+        rows = self.gather_rows(items, ids)                                   # [T, R, D]
+        return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
 
     def time_bucket_thresholds(self, num_buckets: int):
         if num_buckets not in self._thresholds_cache:

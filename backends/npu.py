@@ -15,6 +15,10 @@ class BackendUnavailable(RuntimeError):
 
 
 class NpuBackend(TorchBackend):
+    """``hstu_kernel``: "auto" (RecSDK ``torch.ops.mxrec.hstu_jagged`` when loaded, else the
+    portable Triton kernel under triton-ascend), "mxrec", "triton", or "reference" (the plain
+    torch reference attention on the NPU: slow, an explicit opt-in for debugging)."""
+
     name = "npu"
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "auto"):
@@ -24,10 +28,17 @@ class NpuBackend(TorchBackend):
         if not ok:
             raise BackendUnavailable(f"backend 'npu' is unavailable: {reason}")
         super().__init__(device or "npu", dtype)
-        # "mxrec" (Ascend RecSDK torch.ops.mxrec.hstu_jagged), "triton" (portable Triton kernel
-        # under triton-ascend) or "auto" (mxrec when its ops are loaded, else triton).
-        self._hstu_attention = npu_ops.select_hstu_attention(hstu_kernel)
+        self._hstu_attention = None
+        if hstu_kernel != "reference":
+            try:
+                self._hstu_attention = npu_ops.select_hstu_attention(hstu_kernel)
+            except npu_ops.UnsupportedOnBackend as exc:
+                raise BackendUnavailable(f"backend 'npu' has no HSTU attention kernel: {exc}. "
+                                         f"Pass hstu_kernel='reference' to run the plain torch "
+                                         f"attention on the NPU instead") from exc
 
     def hstu_attention(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
+        if self._hstu_attention is None:
+            return super().hstu_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
         bias = Backend.relative_bias(self, layout, norm_len, pos_w, ts_w, ts, query_ts)
         return self._hstu_attention(q, k, v, layout, norm_len, bias)

@@ -73,3 +73,7 @@ class TorchBackend(Backend):
         ids = ids.masked_fill((ids < 0) | (ids >= num_segments), num_segments)
         out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
         return out.index_add(0, ids, data)[:num_segments]
+
+    def sampled_logits(self, user, items, ids):
+        # torch.take_along_dim wants int64 indices; the reference math is unchanged
+        return super().sampled_logits(user, items, ids.long())

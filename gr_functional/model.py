@@ -130,8 +130,7 @@ def sampled_softmax_loss(B, user, item_table, targets, negatives, weights, cfg: 
     xp = B.xp
     items = B.l2_normalize(item_table, cfg.l2_eps)
     pos = xp.sum(user * B.gather_rows(items, targets), axis=-1) / cfg.temperature          # [T]
-    neg_emb = B.gather_rows(items, negatives)                                                # [T, R, D]
-    neg = xp.matmul(neg_emb, xp.reshape(user, (user.shape[0], -1, 1)))[..., 0] / cfg.temperature
+    neg = B.sampled_logits(user, items, negatives) / cfg.temperature                         # [T, R]
     hit = negatives == xp.reshape(targets, (-1, 1))
     neg = xp.where(hit, xp.full(neg.shape, -5e4, dtype=neg.dtype), neg)
     logits = xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1)

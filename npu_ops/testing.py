@@ -67,8 +67,11 @@ def make_attention_case(lengths: Sequence[int], *, max_len: int, heads: int = 2,
                          normal(T, heads, dv), pos_w, ts_w, ts, query_ts)
 
 
-def run_attention(case: AttentionCase, B, attention: Callable | None = None) -> dict[str, np.ndarray]:
-    """Output and gradients on backend ``B`` (a TorchBackend or subclass; its dtype and device).
+def run_attention(case: AttentionCase, B, attention: Callable | None = None,
+                  dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Output and gradients on backend ``B`` (a TorchBackend or subclass; its device, and its
+    dtype unless ``dtype`` names another torch float dtype such as "bfloat16" for q, k, v; the
+    bias parameters stay in B's dtype, and adapters cast the bias to q's dtype).
 
     attention None: the reference ``B.hstu_attention``. Otherwise ``attention(q, k, v, layout,
     norm_len, bias)`` with ``bias = B.relative_bias(...)`` (what NpuBackend.hstu_attention does).
@@ -76,12 +79,14 @@ def run_attention(case: AttentionCase, B, attention: Callable | None = None) -> 
     """
     import torch
 
+    qkv_dtype = getattr(torch, dtype or B.dtype_name)
     layout = B.asarray_tree(case.layout)
     params = {"q": case.q, "k": case.k, "v": case.v, "pos_w": case.pos_w, "ts_w": case.ts_w}
-    leaves = {name: B.asarray(arr.astype(B.dtype_name)).requires_grad_()
-              for name, arr in params.items() if arr is not None}
+    # cast on the host: the device may lack float64 (and numpy lacks bfloat16)
+    leaves = {name: B.asarray(torch.as_tensor(arr).to(qkv_dtype if name in ("q", "k", "v") else B.float_dtype))
+                  .requires_grad_() for name, arr in params.items() if arr is not None}
     ts, query_ts = B.asarray(case.ts), B.asarray(case.query_ts)
-    cot = B.asarray(case.cot.astype(B.dtype_name))
+    cot = B.asarray(torch.as_tensor(case.cot).to(qkv_dtype))
     with torch.enable_grad():
         q, k, v = leaves["q"], leaves["k"], leaves["v"]
         pos_w, ts_w = leaves.get("pos_w"), leaves.get("ts_w")

@@ -12,7 +12,7 @@ from .common import FWD_TOL, GRAD_TOL, LAYOUT_CASES, make_layout, rel_err
 
 
 def test_kernel_op_list_is_covered():
-    tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
+    tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
               "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
     assert set(Backend.KERNEL_OPS) == tested
 
@@ -167,3 +167,16 @@ def test_hstu_uvqk_vs_oracle_and_grads(backend, rng):
         return B.xp.sum(B.xp.concat(B.hstu_uvqk(a["x"], a["w"], splits), axis=1) * a["cot"])
 
     _assert_grads_agree(f, {"x": x, "w": w, "cot": cot})
+
+
+@pytest.mark.parametrize("n_items", [20, 5000])  # dense-matmul and row-gather formulations
+def test_sampled_logits_vs_oracle_and_grads(backend, rng, n_items):
+    user = rng.standard_normal((9, 6)).astype(np.float32)
+    items = rng.standard_normal((n_items, 6)).astype(np.float32)
+    ids = rng.integers(0, n_items, (9, 4)).astype(np.int32)
+    got = backend.to_numpy(backend.sampled_logits(*(backend.asarray(a) for a in (user, items, ids))))
+    want = np.einsum("td,trd->tr", user.astype(np.float64), items.astype(np.float64)[ids])
+    assert rel_err(got, want) <= FWD_TOL
+    cot = rng.standard_normal((9, 4)).astype(np.float32)
+    _assert_grads_agree(lambda B, a: B.xp.sum(B.sampled_logits(a["user"], a["items"], a["ids"]) * a["cot"]),
+                        {"user": user, "items": items, "ids": ids, "cot": cot})
