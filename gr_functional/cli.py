@@ -61,6 +61,7 @@ def cmd_crosscheck(args) -> int:
     from backends import get_backend
 
     from . import model
+    from .config import replace
     from .crosscheck import crosscheck, random_batch
     from .runner import load_sequences, resolve
 
@@ -74,8 +75,8 @@ def cmd_crosscheck(args) -> int:
 
         data = load_sequences(cfg)
         cfg = resolve(cfg, data)
-        train_loader = loader.TrainLoader(split.leave_one_out(data).train, cfg.model, args.users,
-                                          cfg.train.seed, cfg.model.num_items)
+        cfg = replace(cfg, train={"batch_size": args.users, "max_tokens": 0})
+        train_loader = loader.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
         batch = next(iter(train_loader.epoch(0)))
     else:
         batch = random_batch(cfg, seed=cfg.train.seed, num_users=args.users)

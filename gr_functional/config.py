@@ -26,6 +26,9 @@ class DataConfig:
     synthetic_items: int = 3000
     synthetic_max_events: int = 400  # real KuaiRand-27K lengths, truncated here
     zipf_a: float = 1.05             # item popularity exponent of the synthetic generator
+    # GR trains on all but each user's last item, so the validation target (second to last) is
+    # also a training target; false trains on all but the last two (an unleaked validation split).
+    valid_in_train: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class TrainConfig:
     seed: int = 42
     epochs: int = 101
     batch_size: int = 128           # sequences per step
+    max_tokens: int = 0             # token budget per step instead of a fixed count (0 = off)
     max_steps: int = 0              # stop after this many steps (0 = no limit)
     eval_every: int = 1             # epochs between evaluations
     log_every: int = 10             # steps between metrics.jsonl lines

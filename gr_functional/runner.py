@@ -30,21 +30,9 @@ from .train import make_scorer, make_train_step
 # ----------------------------------------------------------------------------- data
 def load_sequences(cfg: Config):
     """The dataset named by ``cfg.data`` as a SequenceData (ids 1..num_items, time-sorted)."""
-    from .data import loaders, paths, sequences, synthetic
+    from .data.datasets import load_dataset
 
-    name = cfg.data.dataset
-    if name == "synthetic":
-        return synthetic.make_synthetic(cfg.data.synthetic_users, cfg.data.synthetic_items,
-                                        cfg.data.synthetic_max_events, cfg.data.zipf_a, cfg.data.seed)
-    load = {"ml-1m": (loaders.load_movielens_1m, False), "ml-20m": (loaders.load_movielens_20m, False),
-            "kuairand": (loaders.load_kuairand_log, True)}
-    if name not in load:
-        raise loaders.DataError(f"data.dataset = {name!r} is unknown; choose one of: synthetic, "
-                                f"{', '.join(load)}")
-    path = cfg.data.path or paths.dataset_path("kuairand-sample" if name == "kuairand" else name)
-    fn, remap = load[name]
-    seqs = sequences.SequenceData.from_interactions(fn(path), remap_items=remap)
-    return dataclasses.replace(seqs, name=paths.dataset_label(name, path))
+    return load_dataset(cfg.data)
 
 
 def resolve(cfg: Config, data) -> Config:
@@ -61,17 +49,17 @@ def make_backend(cfg: Config):
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(B, params, cfg: Config, examples, scorer=None, max_users: int = 0) -> dict:
+def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0) -> dict:
     """HR@K / NDCG@K / MRR on leave-one-out ``examples`` (split.test or split.valid): full-catalogue
-    ranking of the held-out item with the user's history removed."""
+    ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history."""
     from .data import loader, metrics
 
     scorer = scorer or make_scorer(B, cfg)
     ranks = []
-    for batch, targets, exclude in loader.eval_batches(examples, cfg.model, cfg.eval.batch_size,
-                                                       max_users=max_users or cfg.eval.max_users):
+    for batch, targets, exclude in loader.iter_eval(examples, cfg.model, cfg.eval.batch_size,
+                                                    max_users=max_users or cfg.eval.max_users):
         scores = B.to_numpy(scorer(params, B.asarray_tree(batch)))[: len(targets)]
-        ranks.append(metrics.ranks_from_scores(scores, targets, exclude))
+        ranks.append(metrics.ranks_from_scores(scores, targets, exclude, candidates=candidates))
     return metrics.metrics_from_ranks(np.concatenate(ranks), cfg.eval.ks)
 
 
@@ -106,19 +94,19 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     (out / "config.toml").write_text(config_to_toml(cfg))
-    splits = split_mod.leave_one_out(data)
+    splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
     B = make_backend(cfg)
     params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
     opt_state = adamw_init(B, params)
     step_fn, scorer = make_train_step(B, cfg), make_scorer(B, cfg)
-    train_loader = loader.TrainLoader(splits.train, cfg.model, cfg.train.batch_size, cfg.train.seed,
-                                      cfg.model.num_items)
+    train_loader = loader.TrainLoader.from_config(splits.train, cfg)
     total_steps = train_loader.steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     log = open(out / "metrics.jsonl", "w")
     epochs, step, best = [], 0, None
-    bar = tqdm(total=total_steps, disable=not progress, unit="step", dynamic_ncols=True)
+    # disable=None: no bar when stderr is not a terminal (CI logs); epoch lines still print
+    bar = tqdm(total=total_steps, disable=None if progress else True, unit="step", dynamic_ncols=True)
     t_start = time.perf_counter()
     for epoch in range(cfg.train.epochs):
         losses, tokens, t_epoch = [], 0, time.perf_counter()
@@ -145,7 +133,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
         last_epoch = epoch == cfg.train.epochs - 1 or step >= total_steps
         if (epoch + 1) % cfg.train.eval_every == 0 or last_epoch:
             for name in ("valid", "test"):
-                record[name] = evaluate(B, params, cfg, getattr(splits, name), scorer)
+                record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer)
                 log.write(json.dumps({"kind": "eval", "split": name, "epoch": epoch, "step": step,
                                       **record[name]}) + "\n")
             log.flush()
@@ -179,7 +167,7 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)
-    splits = split_mod.leave_one_out(data)
-    result = evaluate(B, B.asarray_tree(params_np), cfg, getattr(splits, split))
+    splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
+    result = evaluate(B, B.asarray_tree(params_np), cfg, getattr(splits, split), data.candidates)
     return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"),
             "epoch": meta.get("epoch"), "dataset": data.name}

@@ -157,13 +157,15 @@ def _parse_block(path: Path, block: bytes, lineno: int, sep: str, names: Sequenc
     values = None
     if ok:
         text = block.replace(sep_b, b" ") if sep != " " else block
-        with warnings.catch_warnings():
-            # fromstring only warns (and truncates) on unparsable text; make that an error.
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             try:
                 values = np.fromstring(text, dtype=dtype, sep=" ")
-            except (ValueError, DeprecationWarning):
+            except ValueError:
                 values = None
+        # On unparsable text fromstring only warns and returns what it read so far.
+        if any("could not be read to its end" in str(w.message) for w in caught):
+            values = None
         if values is not None and values.size != n_lines * ncols:
             values = None
     if values is None:
@@ -294,6 +296,5 @@ def load_kuairand_log(path: str | Path | None = None, *, columns: Sequence[str] 
         col = values[:, index[c]]
         integral = bool(np.all(np.isfinite(col) & (col == np.floor(col))))
         extra[c] = col.astype(np.int64) if integral else col
-    label = dataset_label("kuairand-sample", path) if "head_users0-3" in path.name else f"KuaiRand ({path.name})"
     return Interactions(user=_int_column(values, index["user_id"]), item=_int_column(values, index["video_id"]),
-                        time=time_ms // 1000, extra=extra, name=label, source=str(path))
+                        time=time_ms // 1000, extra=extra, name=dataset_label("kuairand", path), source=str(path))

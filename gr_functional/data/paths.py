@@ -69,6 +69,7 @@ def _data_dir_origin() -> str:
 
 
 def dataset_names() -> tuple[str, ...]:
+    """Names ``dataset_path`` knows, in display order."""
     return tuple(_LAYOUT)
 
 
@@ -95,7 +96,8 @@ def dataset_path(name: str) -> Path:
 
 def dataset_label(name: str, path: str | Path | None = None) -> str:
     """Human label for results tables; the reconstructed ML-1M copy is labelled as such."""
-    label = LABELS.get(name, name)
     if name == "ml-1m" and path is not None and Path(path).name == "ratings_known.dat":
         return "ML-1M (reconstructed)"
-    return label
+    if name == "kuairand" and path is not None:
+        return LABELS["kuairand-sample"] if "head_users0-3" in Path(path).name else f"KuaiRand ({Path(path).name})"
+    return LABELS.get(name, name)

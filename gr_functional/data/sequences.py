@@ -48,6 +48,11 @@ class SequenceData:
             raise DataError(f"{self.name or 'SequenceData'}: {len(self.user_ids)} user ids for "
                             f"{len(offsets) - 1} sequences")
 
+    @classmethod
+    def from_interactions(cls, inter: Interactions, remap_items: bool, **kwargs) -> "SequenceData":
+        """Same as the module function ``from_interactions``."""
+        return from_interactions(inter, remap_items, **kwargs)
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -88,13 +93,15 @@ class SequenceData:
         return np.arange(self.num_events, dtype=np.int64) - np.repeat(self.offsets[:-1], lengths)
 
     def summary(self) -> dict:
+        """Counts and per-user length statistics, for logs and ``grf data`` output."""
         lengths = self.lengths()
-        return {
-            "name": self.name, "users": len(self), "events": self.num_events, "num_items": int(self.num_items),
-            "distinct_items": int(np.unique(self.items).size),
-            "len_min": int(lengths.min(initial=0)), "len_median": float(np.median(lengths)) if len(lengths) else 0.0,
-            "len_mean": float(lengths.mean()) if len(lengths) else 0.0, "len_max": int(lengths.max(initial=0)),
-        }
+        out = {"name": self.name, "users": len(self), "events": self.num_events, "num_items": int(self.num_items),
+               "distinct_items": int(np.unique(self.items).size)}
+        if len(lengths):
+            out.update(len_min=int(lengths.min()), len_median=float(np.median(lengths)),
+                       len_mean=float(lengths.mean()), len_p90=float(np.percentile(lengths, 90)),
+                       len_max=int(lengths.max()))
+        return out
 
 
 def from_interactions(inter: Interactions, remap_items: bool, *, name: str | None = None,
