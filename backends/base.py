@@ -171,9 +171,10 @@ class Backend:
         return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
 
     def time_bucket_thresholds(self, num_buckets: int):
+        # cache the numpy table only: a backend array made while JAX traces would be a tracer
         if num_buckets not in self._thresholds_cache:
-            self._thresholds_cache[num_buckets] = self.asarray(time_bucket_thresholds(num_buckets))
-        return self._thresholds_cache[num_buckets]
+            self._thresholds_cache[num_buckets] = time_bucket_thresholds(num_buckets)
+        return self.asarray(self._thresholds_cache[num_buckets])
 
     def relative_bias(self, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None, query_ts=None):
         """Dense relative attention bias ``[B, L, L]`` of one HSTU layer (shared by all heads).

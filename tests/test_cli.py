@@ -1,0 +1,80 @@
+"""The grf command line: train -> files, eval of one checkpoint on both backends, crosscheck, errors."""
+import json
+
+import numpy as np
+import pytest
+
+from gr_functional.checkpoint import load_checkpoint
+from gr_functional.cli import main
+
+TINY = ["data.synthetic_users=80", "data.synthetic_items=150", "data.synthetic_max_events=30",
+        "model.max_len=16", "model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.num_negatives=8",
+        "train.epochs=2", "train.batch_size=32", "train.log_every=1", "eval.batch_size=64"]
+
+
+def _sets(items):
+    return [arg for item in items for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", "--config", "quickstart", "--quiet", "--out", str(out)] + _sets(TINY)) == 0
+    return out
+
+
+def test_train_writes_the_documented_files(trained):
+    for name in ("config.toml", "metrics.jsonl", "eval.json", "curves.png", "checkpoints/last.safetensors"):
+        assert (trained / name).exists(), name
+    result = json.loads((trained / "eval.json").read_text())
+    for key in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"):
+        assert 0.0 <= result[key] <= 1.0, key
+    lines = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert {line["kind"] for line in lines} == {"train", "eval"}
+    assert all(np.isfinite(line["loss"]) for line in lines if line["kind"] == "train")
+    assert "max_len = 16" in (trained / "config.toml").read_text()
+
+
+def test_checkpoint_evaluates_the_same_on_both_backends(trained, capsys):
+    ckpt = trained / "checkpoints" / "last.safetensors"
+    results = {}
+    for backend in ("torch", "jax"):
+        assert main(["eval", "--checkpoint", str(ckpt), "--backend", backend]) == 0
+        results[backend] = json.loads(capsys.readouterr().out)
+        assert results[backend]["backend"] == backend and results[backend]["trained_on"] == "torch"
+    n_users = 80
+    for key in ("hr@10", "ndcg@10", "hr@200", "mrr"):
+        # identical up to a float tie flipping one user's rank
+        assert abs(results["torch"][key] - results["jax"][key]) <= 1.0 / n_users, key
+    # and equal to what training reported for the last epoch
+    final = json.loads((trained / "eval.json").read_text())["last_epoch_test"]
+    assert abs(results["torch"]["hr@10"] - final["hr@10"]) < 1e-9
+
+
+def test_checkpoint_holds_params_and_optimizer_state(trained):
+    params, opt, cfg, meta = load_checkpoint(trained / "checkpoints" / "last.safetensors")
+    assert cfg.model.max_len == 16 and meta["backend"] == "torch" and meta["epoch"] == 1
+    assert set(opt) == {"step", "mu", "nu"} and float(opt["step"]) == meta["step"]
+    assert params["item_emb"].shape == opt["mu"]["item_emb"].shape
+
+
+def test_crosscheck_cli(capsys):
+    args = ["crosscheck", "--config", "quickstart", "--backends", "jax,torch", "--users", "8"] + _sets(TINY)
+    assert main(args) == 0
+    assert "all layers agree" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["first_diverging"] is None and report["backends"] == ["jax", "torch"]
+
+
+def test_user_errors_exit_2_with_a_message(capsys, tmp_path, monkeypatch):
+    assert main(["train", "--backend", "tpu9", "--quiet", "--out", str(tmp_path / "a")] + _sets(TINY)) == 2
+    assert "unknown backend 'tpu9'" in capsys.readouterr().err
+    assert main(["train", "--quiet", "--set", "model.nblocks=2", "--out", str(tmp_path / "b")]) == 2
+    assert "unknown key model.nblocks" in capsys.readouterr().err
+    monkeypatch.setenv("GRF_DATA_DIR", str(tmp_path / "empty"))
+    assert main(["train", "--quiet", "--set", "data.dataset=ml-20m", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "ML-20M data not found" in err and "grf data fetch ml-20m" in err
+    assert main(["crosscheck", "--config", "quickstart", "--backends", "jax,npu"]) == 2
+    assert "backend 'npu' is unavailable" in capsys.readouterr().err
