@@ -151,34 +151,16 @@ class TrainLoader:
         self._epoch, self._step = epoch, step
 
 
-def eval_batches(histories, times=None, targets=None, target_times=None, model_cfg: ModelConfig | None = None,
-                 batch_size: int | None = None, *, num_items: int | None = None, max_users: int = 0
-                 ) -> Iterator[tuple[HSTUBatch, np.ndarray, list[np.ndarray]]]:
+def eval_batches(histories, times, targets, target_times, model_cfg: ModelConfig, batch_size: int, *,
+                 num_items: int | None = None) -> Iterator[tuple[HSTUBatch, np.ndarray, list[np.ndarray]]]:
     """Evaluation batches of ``batch_size`` users (the last may hold fewer).
 
-    Two call forms:
-      eval_batches(histories, times, targets[U], target_times[U], model_cfg, batch_size)
-          histories/times: U arrays (item ids int, unix seconds), each history >= 1 event
-      eval_batches(eval_set, model_cfg, batch_size, max_users=0)
-          an ``EvalSet`` (``Split.valid`` / ``Split.test``); ``max_users > 0`` keeps the first users only
-
+    histories/times: U arrays (item ids int, unix seconds), each history >= 1 event;
+    targets[U], target_times[U]: the held-out item and its time.
     Yields ``(batch, targets[B] int32, exclude)``: ``batch`` is ``make_batch(train=False)``
     scoring the last history position at ``query_times = target_times``; ``exclude`` holds the
     history ids the model saw (the most recent ``max_len``), the ids GR removes before ranking.
     """
-    if isinstance(histories, EvalSet):
-        model_cfg, batch_size = times, targets
-        if model_cfg is None or batch_size is None:
-            raise DataError("eval_batches(eval_set, model_cfg, batch_size): model_cfg and batch_size are required")
-        split = histories.head(max_users)
-        histories, times = split.history.sequences()
-        targets, target_times = split.targets, split.target_times
-    elif model_cfg is None or batch_size is None or times is None or targets is None or target_times is None:
-        raise DataError("eval_batches(histories, times, targets, target_times, model_cfg, batch_size): "
-                        "all six arguments are required")
-    elif max_users > 0:
-        histories, times = histories[:max_users], times[:max_users]
-        targets, target_times = targets[:max_users], target_times[:max_users]
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
     n = len(histories)
@@ -199,5 +181,9 @@ def eval_batches(histories, times=None, targets=None, target_times=None, model_c
 
 def iter_eval(split: EvalSet, model_cfg: ModelConfig, batch_size: int, *, num_items: int | None = None,
               max_users: int = 0) -> Iterator[tuple[HSTUBatch, np.ndarray, list[np.ndarray]]]:
-    """``eval_batches`` over an ``EvalSet`` (``Split.valid`` or ``Split.test``)."""
-    return eval_batches(split, model_cfg, batch_size, num_items=num_items, max_users=max_users)
+    """``eval_batches`` over an ``EvalSet`` (``Split.valid`` or ``Split.test``); ``max_users > 0``
+    keeps the first users only."""
+    split = split.head(max_users)
+    histories, times = split.history.sequences()
+    return eval_batches(histories, times, split.targets, split.target_times, model_cfg, batch_size,
+                        num_items=num_items)

@@ -141,7 +141,7 @@ def test_eval_batches(split):
     again = list(iter_eval(test, CFG, 64))
     np.testing.assert_array_equal(again[1][0].tokens.values, got[1][0].tokens.values)
     # EvalSet form (what the runner calls), with max_users.
-    head = list(eval_batches(test, CFG, 64, max_users=70))
+    head = list(iter_eval(test, CFG, 64, max_users=70))
     assert [len(t) for _, t, _ in head] == [64, 6]
     np.testing.assert_array_equal(head[1][0].tokens.values[:5], got[1][0].tokens.values[:5])
     np.testing.assert_array_equal(head[1][1], test.targets[64:70])
