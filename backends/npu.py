@@ -6,7 +6,6 @@ falls back to CPU silently.
 """
 from __future__ import annotations
 
-from .base import Backend
 from .torch import TorchBackend
 
 
@@ -27,7 +26,7 @@ class NpuBackend(TorchBackend):
         ok, reason = npu_ops.torch_npu_status()
         if not ok:
             raise BackendUnavailable(f"backend 'npu' is unavailable: {reason}")
-        super().__init__(device or "npu", dtype)
+        TorchBackend.__init__(self, device or "npu", dtype)
         self._hstu_attention = None
         if hstu_kernel != "reference":
             try:
@@ -38,7 +37,9 @@ class NpuBackend(TorchBackend):
                                          f"attention on the NPU instead") from exc
 
     def hstu_attention(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
-        if self._hstu_attention is None:
+        kernel = self._hstu_attention
+        if kernel is None:
             return super().hstu_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
-        bias = Backend.relative_bias(self, layout, norm_len, pos_w, ts_w, ts, query_ts)
-        return self._hstu_attention(q, k, v, layout, norm_len, bias)
+        if getattr(kernel, "takes_bias_params", False):  # Triton builds the bias in-kernel
+            return kernel(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+        return kernel(q, k, v, layout, norm_len, self.relative_bias(layout, norm_len, pos_w, ts_w, ts, query_ts))

@@ -18,7 +18,9 @@ from .base import Backend
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32"):
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "reference"):
+        """hstu_kernel: "reference" (padded-dense reference attention) or "triton" (the portable
+        Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1)."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -26,6 +28,13 @@ class TorchBackend(Backend):
         self._torch = torch
         self.xp = xp
         self.torch_device = torch.device(device or "cpu")
+        if hstu_kernel not in ("reference", "triton"):
+            raise ValueError(f"hstu_kernel must be 'reference' or 'triton', got {hstu_kernel!r}")
+        self._triton_attention = None
+        if hstu_kernel == "triton":
+            import npu_ops
+
+            self._triton_attention = npu_ops.triton_hstu_attention(require_ascend=False)
 
     def asarray(self, x, dtype=None):
         t = self._torch.as_tensor(np.asarray(x) if not isinstance(x, self._torch.Tensor) else x,
@@ -73,6 +82,11 @@ class TorchBackend(Backend):
         ids = ids.masked_fill((ids < 0) | (ids >= num_segments), num_segments)
         out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
         return out.index_add(0, ids, data)[:num_segments]
+
+    def hstu_attention(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
+        if self._triton_attention is None:
+            return super().hstu_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+        return self._triton_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
 
     def sampled_logits(self, user, items, ids):
         # torch.take_along_dim wants int64 indices; the reference math is unchanged

@@ -95,6 +95,10 @@ class BackendConfig:
     name: str = "torch"             # jax | torch | npu
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
     dtype: str = "float32"
+    # HSTU attention kernel: "default" (the backend's own choice: reference on torch/jax, mxrec or
+    # Triton on npu), or a backend-specific name (torch: "reference" | "triton"; npu: "auto" |
+    # "mxrec" | "triton" | "reference")
+    hstu_kernel: str = "default"
 
 
 @dataclass(frozen=True)

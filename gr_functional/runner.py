@@ -45,7 +45,10 @@ def resolve(cfg: Config, data) -> Config:
 
 
 def make_backend(cfg: Config):
-    return get_backend(cfg.backend.name, device=cfg.backend.device or None, dtype=cfg.backend.dtype)
+    options = {"device": cfg.backend.device or None, "dtype": cfg.backend.dtype}
+    if cfg.backend.hstu_kernel != "default":
+        options["hstu_kernel"] = cfg.backend.hstu_kernel
+    return get_backend(cfg.backend.name, **options)
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# Triton kernels run in the CPU interpreter in tests; it is read when @triton.jit decorates, so it
+# must be set before any test module imports npu_ops.triton_hstu.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def test_backend_names():
