@@ -11,6 +11,7 @@ H = heads, d = head dim, D = model dim. Index arrays are int32.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -39,6 +40,12 @@ def time_bucket_thresholds(num_buckets: int) -> np.ndarray:
                 break
         thr[k] = x
     return np.minimum(thr, np.iinfo(np.int32).max).astype(np.int32)
+
+
+# Compute dtypes of the mixed-precision modes (backend.precision); "fp32" computes in the
+# backend dtype itself.
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_MIXED_CLASSES: dict[type, type] = {}
 
 
 class Backend:
@@ -101,6 +108,49 @@ class Backend:
 
     def to_numpy_tree(self, tree: Any) -> Any:
         return tree_map(self.to_numpy, tree)
+
+    # ------------------------------------------------------------------ precision (additions)
+    def cast(self, x, dtype: str):
+        """``x`` as dtype ``"float32" | "bfloat16" | "float16" | "float64"`` (differentiable: the
+        gradient of a cast is cast back, so fp32 master weights get fp32 gradients)."""
+        return self.xp.astype(x, getattr(self.xp, dtype))
+
+    def cast_tree(self, tree: Any, dtype: str) -> Any:
+        """Every floating leaf of ``tree`` cast to ``dtype``; integer leaves (ids, offsets) unchanged."""
+        xp = self.xp
+        return tree_map(lambda x: self.cast(x, dtype) if xp.isdtype(x.dtype, "real floating") else x, tree)
+
+    def with_precision(self, precision: str) -> "Backend":
+        """A view of this backend that computes in ``precision`` ("fp32" | "bf16" | "fp16").
+
+        "fp32" returns ``self``. Otherwise a shallow copy whose class mixes ``MixedPrecisionOps``
+        into this backend's class: ``float_dtype`` (token masks, constants) is the compute dtype
+        and the numerically fragile reductions (LayerNorm statistics, L2 norms, the loss's
+        logsumexp) run in fp32, like torch.autocast's fp32 op list. The ops of ``self`` are not
+        changed; native overrides of the concrete class still run (the mixin calls ``super()``).
+        """
+        if precision == "fp32":
+            return self
+        if precision not in COMPUTE_DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(['fp32', *COMPUTE_DTYPES])}, got {precision!r}")
+        views = self.__dict__.setdefault("_precision_views", {})
+        if precision not in views:
+            cls = type(self)
+            mixed = _MIXED_CLASSES.get(cls)
+            if mixed is None:
+                mixed = type(f"{cls.__name__}Mixed", (MixedPrecisionOps, cls), {})
+                _MIXED_CLASSES[cls] = mixed
+            view = copy.copy(self)
+            view.__dict__.pop("_precision_views", None)
+            view.__class__ = mixed
+            view.compute_dtype_name = COMPUTE_DTYPES[precision]
+            view.precision = precision
+            views[precision] = view
+        return views[precision]
+
+    def set_deterministic(self) -> None:
+        """Make later kernels deterministic where the library has a switch (torch); a no-op where
+        the backend is deterministic already (JAX/XLA on CPU)."""
 
     # ------------------------------------------------------------------ small helpers
     def _ext(self, x):
@@ -249,3 +299,32 @@ class Backend:
     def hstu_norm_mul(self, av, u, eps: float = 1e-6):
         """``u[T, H*dv] * LayerNorm(av[T, H*dv])`` (norm over all heads together, as GR research)."""
         return u * self.layer_norm(av, eps)
+
+
+class MixedPrecisionOps:
+    """Mixin of ``Backend.with_precision`` views: compute in ``compute_dtype_name`` (bf16/fp16).
+
+    Activations and cast parameters are in the compute dtype, so every matmul and elementwise op
+    runs there. Three reductions run in fp32 and cast back, because low-precision accumulation
+    would cost more accuracy than it saves time: LayerNorm statistics, L2 norms (both return the
+    compute dtype) and ``logsumexp`` (returns fp32: it is the loss, which stays fp32).
+    """
+
+    compute_dtype_name: str = "bfloat16"
+    precision: str = "bf16"
+
+    def __repr__(self):
+        return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r}, precision={self.precision!r})"
+
+    @property
+    def float_dtype(self):
+        return getattr(self.xp, self.compute_dtype_name)
+
+    def layer_norm(self, x, eps: float = 1e-6):
+        return self.cast(super().layer_norm(self.cast(x, "float32"), eps), self.compute_dtype_name)
+
+    def l2_normalize(self, x, eps: float = 1e-6):
+        return self.cast(super().l2_normalize(self.cast(x, "float32"), eps), self.compute_dtype_name)
+
+    def logsumexp(self, x, axis: int = -1):
+        return super().logsumexp(self.cast(x, "float32"), axis=axis)

@@ -77,6 +77,17 @@ class JaxBackend(Backend):
     def stop_gradient(self, x):
         return self._jax.lax.stop_gradient(x)
 
+    def set_deterministic(self) -> None:
+        # XLA on CPU is deterministic. On GPU, --xla_gpu_deterministic_ops must be in XLA_FLAGS
+        # before JAX starts its backend, which is too late here: say so instead of pretending.
+        import os
+        import warnings
+
+        platform = (self._device or self._jax.devices()[0]).platform
+        if platform == "gpu" and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+            warnings.warn("backend.deterministic on a JAX GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true "
+                          "set before Python starts; results may differ run to run")
+
     # native kernel ops -------------------------------------------------------------
     def silu(self, x):
         return self._jax.nn.silu(x)

@@ -69,6 +69,14 @@ class TorchBackend(Backend):
     def stop_gradient(self, x):
         return x.detach()
 
+    def set_deterministic(self) -> None:
+        # warn_only: an op without a deterministic kernel warns instead of failing a long run.
+        # cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it starts, so set it before any CUDA matmul.
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self._torch.use_deterministic_algorithms(True, warn_only=True)
+
     # native kernel ops -------------------------------------------------------------
     def silu(self, x):
         return self._torch.nn.functional.silu(x)

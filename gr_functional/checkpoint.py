@@ -1,66 +1,337 @@
-"""Backend-neutral checkpoints in safetensors: params, optimizer state, step and the config.
+"""Backend-neutral checkpoints in safetensors: params, optimizer state, run position, the config.
 
-Keys are tree paths (``params.blocks.0.w_uvqk``, ``opt.mu.item_emb``, ``opt.step``); the
-resolved config TOML and run position ride in the safetensors metadata. Writes are atomic
-(temp file, fsync, rename) so a killed run never leaves a half-written checkpoint.
+One file per checkpoint, ``OUT/checkpoints/step-NNNNNNNN.safetensors`` (NNNNNNNN = optimizer steps
+taken). Tensor keys are tree paths (``params.blocks.0.w_uvqk``, ``opt.mu.item_emb``, ``opt.step``,
+``opt.loss_scale.scale``), all numpy (float32 master weights), so a checkpoint written on torch
+loads on JAX and vice versa. The safetensors metadata holds:
+
+  format     "gr-functional/2" ("gr-functional/1" files, without checksums, still load)
+  config     the resolved config as TOML
+  meta       JSON: step, epoch, backend, precision, loader position, run state (README "Reliability")
+  checksums  JSON manifest: sha256 of every tensor's bytes and of the config + meta strings
+
+so every file validates itself: a truncated file fails to parse and a flipped bit fails a
+checksum. ``OUT/checkpoints/manifest.json`` indexes the folder (file, step, epoch, bytes and the
+sha256 of the whole file, for ``sha256sum``-style checks by other tools); ``last.safetensors`` is a
+hard link to (or a copy of) the newest checkpoint, for ``grf eval``.
+
+Writes are atomic: temp file in the same folder, fsync, rename, fsync of the folder. A run killed
+at any instant leaves either the previous checkpoint or the new one, never half of one.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import re
+import struct
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+import tomllib
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
 
 from .config import Config, build_config, config_to_toml
 from .tree import tree_from_items, tree_items
 
-import tomllib
+FORMAT = "gr-functional/2"
+READABLE_FORMATS = ("gr-functional/1", FORMAT)
+INDEX_FORMAT = "gr-functional/checkpoints/1"
+_STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged or does not fit this run; the message names the file."""
+
+
+# ----------------------------------------------------------------------------- fault injection
+def fault_point(name: str, step: int) -> None:
+    """Test hook for crash tests: with ``GRF_FAULT=NAME@STEP`` in the environment, print
+    ``GRF_FAULT paused at NAME@STEP pid=PID`` on stdout and sleep until killed (the test sends
+    SIGKILL). Points: ``after-step`` (after optimizer step STEP and its checkpoint, if any),
+    ``checkpoint-tmp`` (checkpoint STEP written to its temp file, not yet renamed). Unset: no-op."""
+    spec = os.environ.get("GRF_FAULT")
+    if not spec or spec != f"{name}@{step}":
+        return
+    print(f"GRF_FAULT paused at {spec} pid={os.getpid()}", flush=True)
+    deadline = time.monotonic() + 600  # never hang CI forever if the test dies first
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(99)
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms without directory fds (Windows): rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _file_mode() -> int:
+    """0o666 minus the umask: what ``open(path, "w")`` would give (mkstemp makes 0o600 files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_MODE = _file_mode()
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fault_step: int | None = None) -> None:
+    """Write ``data`` to ``path`` via a hidden temp file in the same folder, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _MODE) if hasattr(os, "fchmod") else None
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if fault_step is not None:
+            fault_point("checkpoint-tmp", fault_step)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _sha256(buf) -> str:
+    return hashlib.sha256(buf).hexdigest()
+
+
+def _array_sha256(arr: np.ndarray) -> str:
+    return _sha256(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
+
+
+# ----------------------------------------------------------------------------- one file
+def serialize_checkpoint(params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict | None = None) -> bytes:
+    """The safetensors bytes of a checkpoint (numpy trees -> tensors, metadata with checksums)."""
+    tensors = {f"params.{k}": np.array(v, order="C") for k, v in tree_items(params_np)}
+    if opt_state_np is not None:
+        tensors.update({f"opt.{k}": np.array(v, order="C") for k, v in tree_items(opt_state_np)})
+    config_text = config_to_toml(cfg)
+    meta_text = json.dumps(meta or {}, sort_keys=True)
+    checksums = {"tensors": {k: _array_sha256(v) for k, v in tensors.items()},
+                 "config+meta": _sha256((config_text + "\0" + meta_text).encode())}
+    metadata = {"format": FORMAT, "config": config_text, "meta": meta_text,
+                "checksums": json.dumps(checksums, sort_keys=True)}
+    return st_save(tensors, metadata=metadata)
 
 
 def save_checkpoint(path: str | Path, params_np: dict, opt_state_np: dict | None, cfg: Config,
                     meta: dict | None = None) -> Path:
     """Write numpy trees to ``path`` atomically. ``meta`` (JSON-able) holds step, epoch, backend..."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {f"params.{k}": np.array(v, order="C") for k, v in tree_items(params_np)}
-    if opt_state_np is not None:
-        tensors.update({f"opt.{k}": np.array(v, order="C") for k, v in tree_items(opt_state_np)})
-    metadata = {"config": config_to_toml(cfg), "meta": json.dumps(meta or {}), "format": "gr-functional/1"}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write_bytes(path, serialize_checkpoint(params_np, opt_state_np, cfg, meta))
     return path
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict, dict | None, Config, dict]:
-    """``(params, opt_state or None, config, meta)`` as numpy trees."""
-    from safetensors import safe_open
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint: numpy trees, the embedded config, its meta and the file."""
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    params: dict
+    opt_state: dict | None
+    config: Config
+    meta: dict
+    path: Path
+
+    @property
+    def step(self) -> int:
+        return int(self.meta.get("step", 0))
+
+
+def _header(path: Path, data: bytes) -> dict:
+    """The safetensors JSON header (8-byte little-endian length, then JSON)."""
+    if len(data) < 8:
+        raise CheckpointError(f"checkpoint {path} is truncated ({len(data)} bytes, not even a header)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError(f"checkpoint {path} is truncated: the header claims {n} bytes, "
+                              f"the file has {len(data)}")
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
+        return json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupted: unreadable header ({exc})") from None
+
+
+def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
+    """Load and (``verify``) check a checkpoint file; raises ``CheckpointError`` naming the file and
+    what is wrong (missing, truncated, corrupted, not a gr-functional checkpoint)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    metadata = _header(path, data).get("__metadata__") or {}
+    fmt = metadata.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(f"{path} is not a gr-functional checkpoint (metadata format={fmt!r})")
+    try:
+        tensors = st_load(data)
     except Exception as exc:  # safetensors raises several types for a damaged file
-        raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupted?): {exc}") from exc
-    if metadata.get("format") != "gr-functional/1":
-        raise ValueError(f"{path} is not a gr-functional checkpoint (metadata format={metadata.get('format')!r})")
-    cfg = build_config(tomllib.loads(metadata["config"]), source=f"{path} (embedded config)")
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupted?): {exc}") from None
+    config_text, meta_text = metadata.get("config", ""), metadata.get("meta", "{}")
+    if verify and fmt != "gr-functional/1":
+        try:
+            checksums = json.loads(metadata["checksums"])
+        except (KeyError, json.JSONDecodeError):
+            raise CheckpointError(f"checkpoint {path} is corrupted: its checksum manifest is missing or unreadable") from None
+        if _sha256((config_text + "\0" + meta_text).encode()) != checksums.get("config+meta"):
+            raise CheckpointError(f"checkpoint {path} is corrupted: config/meta checksum mismatch")
+        expected = checksums.get("tensors", {})
+        if set(expected) != set(tensors):
+            missing = sorted(set(expected) ^ set(tensors))[:3]
+            raise CheckpointError(f"checkpoint {path} is corrupted: tensor set differs from its manifest ({missing})")
+        for name, arr in tensors.items():
+            if _array_sha256(arr) != expected[name]:
+                raise CheckpointError(f"checkpoint {path} is corrupted: checksum mismatch in tensor {name}")
+    try:
+        cfg = build_config(tomllib.loads(config_text), source=f"{path} (embedded config)")
+        meta = json.loads(meta_text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} has an unreadable config or meta: {exc}") from None
     params = tree_from_items({k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")})
     opt_items = {k[len("opt."):]: v for k, v in tensors.items() if k.startswith("opt.")}
     opt_state = tree_from_items(opt_items) if opt_items else None
     if opt_state is not None and "step" in opt_state:
         opt_state["step"] = np.asarray(opt_state["step"])
-    return params, opt_state, cfg, json.loads(metadata.get("meta", "{}"))
+    return Checkpoint(params, opt_state, cfg, meta, path)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict, dict | None, Config, dict]:
+    """``(params, opt_state or None, config, meta)`` as numpy trees, checksums verified."""
+    ck = read_checkpoint(path)
+    return ck.params, ck.opt_state, ck.config, ck.meta
+
+
+# ----------------------------------------------------------------------------- the folder
+class CheckpointDir:
+    """``OUT/checkpoints``: numbered checkpoints, their index, ``last.safetensors``, retention.
+
+    ``save`` writes ``step-NNNNNNNN.safetensors`` atomically, then the index and the ``last`` link,
+    then deletes all but the newest ``keep`` checkpoints (0 keeps all) among those at or before
+    the new step: files from a later step (left by an earlier, longer run) are never touched.
+    ``latest_valid`` returns the newest checkpoint that verifies, and the skipped ones with reasons.
+    """
+
+    def __init__(self, folder: str | Path, keep: int = 3):
+        self.folder = Path(folder)
+        self.keep = int(keep)
+
+    @property
+    def index_path(self) -> Path:
+        return self.folder / "manifest.json"
+
+    @property
+    def last_path(self) -> Path:
+        return self.folder / "last.safetensors"
+
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"step-{int(step):08d}.safetensors"
+
+    def steps(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every numbered checkpoint file, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for p in self.folder.iterdir():
+            m = _STEP_FILE.match(p.name)
+            if m and p.is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+    def stale_temp_files(self) -> list[Path]:
+        """Temp files of writes a killed run never finished (safe to delete: never renamed)."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+
+    def read_index(self) -> dict:
+        try:
+            index = json.loads(self.index_path.read_text())
+            if index.get("format") == INDEX_FORMAT and isinstance(index.get("checkpoints"), list):
+                return index
+        except (OSError, ValueError):
+            pass
+        return {"format": INDEX_FORMAT, "checkpoints": []}
+
+    def save(self, params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict) -> Path:
+        step = int(meta["step"])
+        path = self.path_for(step)
+        data = serialize_checkpoint(params_np, opt_state_np, cfg, meta)
+        atomic_write_bytes(path, data, fault_step=step)
+        self._link_last(path, data)
+        removed = self._prune(step)
+        entries = [e for e in self.read_index()["checkpoints"]
+                   if e.get("file") != path.name and (self.folder / str(e.get("file"))).is_file()
+                   and e.get("file") not in removed]
+        entries.append({"file": path.name, "step": step, "epoch": meta.get("epoch"), "reason": meta.get("reason"),
+                        "bytes": len(data), "sha256": _sha256(data)})
+        entries.sort(key=lambda e: e["step"])
+        index = {"format": INDEX_FORMAT, "latest": path.name, "checkpoints": entries}
+        atomic_write_bytes(self.index_path, (json.dumps(index, indent=1) + "\n").encode())
+        return path
+
+    def _link_last(self, path: Path, data: bytes) -> None:
+        tmp = self.folder / f".{self.last_path.name}.link.tmp"
+        try:
+            if tmp.exists():
+                tmp.unlink()
+            os.link(path, tmp)  # a hard link: no copy, and pruning the step file keeps it alive
+            os.replace(tmp, self.last_path)
+            _fsync_dir(self.folder)
+        except OSError:  # filesystems without hard links: write a copy (also atomic)
+            if tmp.exists():
+                tmp.unlink()
+            atomic_write_bytes(self.last_path, data)
+
+    def _prune(self, newest: int) -> set[str]:
+        if self.keep <= 0:
+            return set()
+        older = [(s, p) for s, p in self.steps() if s <= newest]
+        removed = set()
+        for _, p in older[self.keep:]:
+            p.unlink(missing_ok=True)
+            removed.add(p.name)
+        return removed
+
+    def latest_valid(self) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that loads and verifies, and ``[(path, reason)]`` of the newer ones
+        skipped (truncated, corrupted, unreadable)."""
+        skipped = []
+        for _, path in self.steps():
+            try:
+                return read_checkpoint(path), skipped
+            except CheckpointError as exc:
+                skipped.append((path, str(exc)))
+        return None, skipped
+
+    def clear(self) -> int:
+        """Delete every checkpoint, the index, ``last`` and temp files (``grf train --fresh``);
+        returns the number of checkpoint files deleted."""
+        n = 0
+        for _, p in self.steps():
+            p.unlink(missing_ok=True)
+            n += 1
+        n += int(self.last_path.exists())
+        for p in (self.index_path, self.last_path, *self.stale_temp_files()):
+            p.unlink(missing_ok=True)
+        return n
+
+
+def warn(message: str) -> None:
+    """A warning for people running ``grf``: one line on stderr, prefixed like CLI errors."""
+    print(f"grf: warning: {message}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """``grf``: train, eval, crosscheck and data commands.
 
     grf train --config experiments/configs/NAME.toml [--backend B] [--set key=value ...] [--out DIR]
+              [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
     grf eval --checkpoint PATH [--backend B] [--split test|valid]
     grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
     grf data fetch ml-1m | grf data info
@@ -43,8 +44,12 @@ def cmd_train(args) -> int:
 
     cfg = _load(args)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG
-    out = Path(args.out or f"runs/{name}-{cfg.backend.name}")
-    result = train(cfg, out, progress=not args.quiet)
+    # bf16/fp16 runs get their own default folder, so they never resume an fp32 run by accident
+    suffix = "" if cfg.backend.precision == "fp32" else f"-{cfg.backend.precision}"
+    out = Path(args.out or f"runs/{name}-{cfg.backend.name}{suffix}")
+    # default: continue from OUT/checkpoints when it holds a valid checkpoint (the runner says so)
+    resume = "must" if args.resume else "never" if args.fresh else "auto"
+    result = train(cfg, out, progress=not args.quiet, resume=resume)
     keys = ["hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"]
     print(json.dumps({k: round(result[k], 4) for k in keys} | {"epoch": result["epoch"], "out": str(out)}))
     return 0
@@ -110,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML config file or packaged config name (default: quickstart)")
     t.add_argument("--backend", help="jax | torch | npu (overrides backend.name)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. model.num_blocks=4")
-    t.add_argument("--out", help="output folder (default runs/CONFIG-BACKEND)")
+    t.add_argument("--out", help="output folder (default runs/CONFIG-BACKEND, plus -bf16/-fp16 for those precisions)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    r = t.add_mutually_exclusive_group()
+    r.add_argument("--resume", action="store_true",
+                   help="require resuming from OUT/checkpoints (error if it holds no valid checkpoint). "
+                        "Without --resume or --fresh, a run resumes when it finds one and starts fresh otherwise")
+    r.add_argument("--fresh", action="store_true",
+                   help="delete OUT/checkpoints and train from step 0")
     t.set_defaults(fn=cmd_train, config=None)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on any backend")
@@ -142,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         args.config = DEFAULT_CONFIG
     from backends import BackendUnavailable
 
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .jagged import JaggedError
+    from .runner import TrainingAborted
 
-    user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError)
+    user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError)
     try:
         from .data.loaders import DataError
         user_errors += (DataError,)
@@ -156,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors as exc:
         print(f"grf: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingAborted as exc:  # the run saved its last good state; exit 3 tells scripts apart
+        print(f"grf: error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

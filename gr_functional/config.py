@@ -80,7 +80,22 @@ class TrainConfig:
     max_steps: int = 0              # stop after this many steps (0 = no limit)
     eval_every: int = 1             # epochs between evaluations
     log_every: int = 10             # steps between metrics.jsonl lines
-    checkpoint_every: int = 0       # steps between checkpoints (0 = end of each epoch only)
+    # Checkpoints (README "Reliability"): one at the end of every epoch and of the run, plus one
+    # every checkpoint_every optimizer steps (0 = epoch ends only). Each is an atomic, checksummed
+    # OUT/checkpoints/step-NNNNNNNN.safetensors; the newest keep_checkpoints are kept (0 = all).
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    # Gradient accumulation: one optimizer step per `accumulate` consecutive loader batches, with
+    # the loss normalised by the supervised tokens of all of them (a k-times larger batch).
+    accumulate: int = 1
+    # NaN/Inf guard: a step whose loss or gradient is not finite is skipped (params and optimizer
+    # state unchanged) and logged; this many skipped steps in a row abort the run after saving
+    # the last good state (0 = never abort).
+    max_bad_steps: int = 5
+    # fp16 dynamic loss scaling (backend.precision = "fp16" only): the initial scale, halved on
+    # every overflow, doubled after loss_scale_window overflow-free steps (torch GradScaler's rule).
+    loss_scale: float = 65536.0
+    loss_scale_window: int = 2000
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,13 @@ class BackendConfig:
     # Triton on npu), or a backend-specific name (torch: "reference" | "triton"; npu: "auto" |
     # "mxrec" | "triton" | "reference")
     hstu_kernel: str = "default"
+    # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
+    # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
+    # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).
+    precision: str = "fp32"
+    # Deterministic kernels (torch.use_deterministic_algorithms; JAX on CPU already is): on CPU a
+    # run and its resumed twin then write identical metrics.jsonl files.
+    deterministic: bool = True
 
 
 @dataclass(frozen=True)

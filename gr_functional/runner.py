@@ -2,17 +2,33 @@
 
 ``train(cfg, out_dir)`` writes (DESIGN.md "CLI and files"):
   OUT/config.toml    resolved config
-  OUT/metrics.jsonl  one JSON object per line: training steps {"kind": "train", ...} and
-                     evaluations {"kind": "eval", "split": "valid"|"test", ...}
+  OUT/metrics.jsonl  one JSON object per line, a deterministic function of (config, data, backend):
+                     training steps {"kind": "train", "step", "epoch", "loss", "tokens"[, "loss_scale"]},
+                     skipped non-finite steps {"kind": "skip", ...}, evaluations
+                     {"kind": "eval", "split": "valid"|"test", ...} and an abort {"kind": "abort", ...}.
+                     No wall-clock field: a run killed and resumed writes the identical file.
+  OUT/timing.jsonl   the wall-clock side: tokens/s per logged step, seconds per epoch, and run
+                     events (start, resume with the checkpoint used, checkpoints skipped as damaged)
   OUT/eval.json      test metrics (hr@10, ndcg@10, hr@50, ndcg@50, hr@200, ndcg@200, mrr) of the epoch
                      with the best validation HR@10, plus that epoch and the last epoch's test metrics
   OUT/curves.png     loss and HR@10 per epoch
-  OUT/checkpoints/   safetensors checkpoints (params + optimizer state + config)
+  OUT/checkpoints/   step-NNNNNNNN.safetensors checkpoints (params, optimizer state, loader position,
+                     run state, config; checksummed), manifest.json, last.safetensors
+                     (gr_functional/checkpoint.py)
+
+Resume (``resume="auto"``, the default of ``grf train``): when OUT/checkpoints holds a valid
+checkpoint, training continues from the newest one: params, optimizer state (and fp16 loss scale),
+the loader position (epoch, batch), the step, the per-epoch history and metrics.jsonl up to that
+step. All randomness is numpy ``default_rng((train.seed, epoch[, step]))`` drawn by the loader,
+so the position and the seed are the whole RNG state.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,10 +37,15 @@ import numpy as np
 from backends import get_backend
 
 from . import model
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, config_to_toml, replace
-from .optim import adamw_init
-from .train import make_scorer, make_train_step
+from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, fault_point, read_checkpoint, warn
+from .config import Config, ConfigError, config_to_toml, replace
+from .train import PRECISIONS, init_loss_scale, init_opt_state, make_scorer, make_train_step
+
+RESUME_MODES = ("auto", "must", "never")
+
+
+class TrainingAborted(RuntimeError):
+    """Too many non-finite steps in a row; the message names the saved checkpoint and what to try."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -40,15 +61,67 @@ def resolve(cfg: Config, data) -> Config:
     if cfg.model.num_items == 0:
         cfg = replace(cfg, model={"num_items": int(data.num_items)})
     elif cfg.model.num_items < data.num_items:
-        raise ValueError(f"model.num_items={cfg.model.num_items} < largest item id {data.num_items} in the data")
+        raise ConfigError(f"model.num_items={cfg.model.num_items} but the data ({data.name or 'dataset'}) has item ids "
+                          f"up to {data.num_items}; set model.num_items = 0 (take it from the data) or >= "
+                          f"{data.num_items}")
     return cfg
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def check_data(data, splits) -> None:
+    """Reject data the training loop would only trip over later (after OUT was written to), with a
+    ``DataError`` naming the dataset and the fix. The loaders already reject malformed lines, ids
+    < 1 and ids beyond int32; per-user time order is restored by a stable sort."""
+    from .data.loaders import DataError
+
+    name = data.name or "dataset"
+    if data.num_events and int(data.times.max()) - int(data.times.min()) > _INT32_MAX:
+        raise DataError(f"{name}: timestamps span {int(data.times.max()) - int(data.times.min())} units, more than "
+                        f"int32 seconds hold (68 years); they look like milliseconds. Convert them to seconds")
+    for split in ("valid", "test"):
+        if len(getattr(splits, split)) == 0:
+            need = 3 if split == "valid" else 2
+            raise DataError(f"{name}: the {split} split is empty: no user has >= {need} events (leave-one-out "
+                            f"holds out each user's {'second-to-last' if split == 'valid' else 'last'} event)")
+
+
+def data_fingerprint(data) -> str:
+    """sha256 of the packed sequences (items, times, offsets): resuming on changed data is refused."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for arr in (data.items, data.times, data.offsets):
+        h.update(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
+    return h.hexdigest()
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the type system cannot express; ``ConfigError`` names the key and the fix."""
+    t, b = cfg.train, cfg.backend
+    if b.precision not in PRECISIONS:
+        raise ConfigError(f"backend.precision={b.precision!r} is not one of {', '.join(PRECISIONS)}")
+    checks = [("train.accumulate", t.accumulate, 1), ("train.keep_checkpoints", t.keep_checkpoints, 0),
+              ("train.checkpoint_every", t.checkpoint_every, 0), ("train.max_bad_steps", t.max_bad_steps, 0),
+              ("train.log_every", t.log_every, 1), ("train.eval_every", t.eval_every, 1),
+              ("train.loss_scale_window", t.loss_scale_window, 1), ("train.epochs", t.epochs, 1),
+              ("train.max_steps", t.max_steps, 0)]
+    for key, value, low in checks:
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}")
+    if not (math.isfinite(t.loss_scale) and t.loss_scale >= 1.0):
+        raise ConfigError(f"train.loss_scale={t.loss_scale} must be a finite number >= 1 (e.g. 65536.0)")
 
 
 def make_backend(cfg: Config):
     options = {"device": cfg.backend.device or None, "dtype": cfg.backend.dtype}
     if cfg.backend.hstu_kernel != "default":
         options["hstu_kernel"] = cfg.backend.hstu_kernel
-    return get_backend(cfg.backend.name, **options)
+    B = get_backend(cfg.backend.name, **options)
+    if cfg.backend.deterministic:
+        B.set_deterministic()
+    return B
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -66,7 +139,136 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
     return metrics.metrics_from_ranks(np.concatenate(ranks), cfg.eval.ks)
 
 
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- resume
+# Keys that must equal the checkpoint's to resume: they decide which batches are drawn and what
+# the parameters mean. Any other key may change on resume (backend.name: resume on another
+# backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
+# and backend precision/dtype changes are allowed with a warning.
+_MATCH_SECTIONS = ("data", "model")
+_MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
+_NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
+                                                                                ("backend", "dtype")]
+
+
+def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
+    """``(errors, notes)``: keys that forbid resuming ``saved`` under ``now``, and allowed changes."""
+    errors, notes = [], []
+    keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))]
+    keys += [("train", k) for k in _MATCH_TRAIN]
+    for section, key in keys:
+        a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
+        if a != b:
+            errors.append(f"{section}.{key}: checkpoint {a!r}, now {b!r}")
+    for section, key in _NOTE_KEYS:
+        a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
+        if a != b:
+            notes.append(f"{section}.{key} changed on resume: {a!r} -> {b!r}")
+    return errors, notes
+
+
+@dataclasses.dataclass
+class RunState:
+    """What the training loop carries besides params and optimizer state (saved in each checkpoint).
+
+      step            optimizer steps taken, skipped (non-finite) ones included
+      epoch_losses    losses of the current epoch's applied steps (its mean is the epoch's loss)
+      history         one record per finished epoch: {epoch, step, loss[, valid, test]}
+      bad_in_a_row    consecutive skipped steps that count towards train.max_bad_steps
+      skipped_total   all skipped steps of the run
+      metrics_lines   lines of metrics.jsonl written up to this state (resume truncates to it)
+    """
+
+    step: int = 0
+    epoch_losses: list = dataclasses.field(default_factory=list)
+    history: list = dataclasses.field(default_factory=list)
+    bad_in_a_row: int = 0
+    skipped_total: int = 0
+    metrics_lines: int = 0
+
+    def to_meta(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "RunState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in known})
+
+
+class JsonLog:
+    """An append-only JSON-lines file that counts its lines; ``keep_lines`` resumes it: the file is
+    cut (atomically) to its first ``keep_lines`` lines, the ones written before the checkpoint."""
+
+    def __init__(self, path: Path, keep_lines: int | None = None):
+        from .checkpoint import atomic_write_bytes
+
+        self.path = path
+        self.lines = 0
+        if keep_lines is None:
+            self.file = open(path, "w")
+            return
+        old = path.read_text().splitlines(keepends=True) if path.exists() else []
+        if len(old) < keep_lines:
+            warn(f"{path} has {len(old)} lines but the checkpoint was written after {keep_lines}; "
+                 f"the missing lines are not recreated")
+        kept = old[:keep_lines]
+        atomic_write_bytes(path, "".join(kept).encode())
+        self.lines = len(kept)
+        self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.lines += 1
+
+    def sync(self) -> None:
+        """Flush and fsync, so the lines a checkpoint counts are on disk before it is."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _say(message: str) -> None:
+    print(f"grf: {message}", file=sys.stderr, flush=True)
+
+
+def _groups(batches, k: int):
+    """Consecutive groups of ``k`` batches (the last group of an epoch may be shorter)."""
+    group = []
+    for b in batches:
+        group.append(b)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
+    """The checkpoint's optimizer state on ``B``, with the fp16 loss scaler added or dropped to
+    match ``backend.precision`` (a precision change on resume)."""
+    opt_state = B.asarray_tree(opt_np)
+    if cfg.backend.precision == "fp16" and "loss_scale" not in opt_state:
+        opt_state["loss_scale"] = init_loss_scale(B, cfg)   # resumed from fp32/bf16: a fresh scaler
+    elif cfg.backend.precision != "fp16":
+        opt_state.pop("loss_scale", None)
+    return opt_state
+
+
+def _bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
+    """``(reason, counts towards max_bad_steps)`` of a skipped step.
+
+    fp16 gradient overflows are the loss scaler's normal search for a scale (the step is skipped
+    and the scale halved), so they count only once the scale is down to 1: then even unscaled
+    gradients overflow and the model itself is blowing up."""
+    if not bool(m["loss_finite"]):
+        return "non-finite loss", True
+    if "loss_scale" in m:
+        scale = float(m["loss_scale"])
+        return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
+    return "non-finite gradient", True
+
+
 def _write_curves(path: Path, epochs: list[dict]) -> None:
     import matplotlib
 
@@ -74,7 +276,7 @@ def _write_curves(path: Path, epochs: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax1.plot([e["epoch"] for e in epochs], [e["loss"] for e in epochs], marker="o")
+    ax1.plot([e["epoch"] for e in epochs], [np.nan if e["loss"] is None else e["loss"] for e in epochs], marker="o")
     ax1.set_xlabel("epoch"), ax1.set_ylabel("train loss")
     for split in ("valid", "test"):
         pts = [(e["epoch"], e[split]["hr@10"]) for e in epochs if split in e]
@@ -86,77 +288,233 @@ def _write_curves(path: Path, epochs: list[dict]) -> None:
     plt.close(fig)
 
 
-def train(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
-    """Train per ``cfg``, evaluate, write the output files; returns the eval.json dict."""
+# ----------------------------------------------------------------------------- training
+def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto") -> dict:
+    """Train per ``cfg``, evaluate, write the output files; returns the eval.json dict.
+
+    resume: "auto" continues from the newest valid checkpoint in OUT/checkpoints when there is one
+    (damaged ones are skipped with a warning naming them), else starts fresh; "must" is the same
+    but fails when there is none (``grf train --resume``); "never" deletes OUT/checkpoints and
+    starts over (``grf train --fresh``). Nothing under OUT is written or deleted until the data,
+    the config and the checkpoint have been checked, so a rejected run loses nothing.
+    Raises ``TrainingAborted`` after ``train.max_bad_steps`` non-finite steps in a row.
+    """
     from tqdm import tqdm
 
+    from .checkpoint import atomic_write_bytes
     from .data import loader, split as split_mod
 
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    validate(cfg)
     out = Path(out_dir)
-    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
-    (out / "config.toml").write_text(config_to_toml(cfg))
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
-    B = make_backend(cfg)
-    params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
-    opt_state = adamw_init(B, params)
-    step_fn, scorer = make_train_step(B, cfg), make_scorer(B, cfg)
+    check_data(data, splits)
+    fingerprint = data_fingerprint(data)
     train_loader = loader.TrainLoader.from_config(splits.train, cfg)
-    total_steps = train_loader.steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
-    log = open(out / "metrics.jsonl", "w")
-    epochs, step, best = [], 0, None
+    ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
+    events: list[dict] = []
+
+    restored: Checkpoint | None = None
+    if resume != "never":
+        restored, skipped = ckdir.latest_valid()
+        for path, reason in skipped:
+            warn(f"skipping damaged checkpoint {path}: {reason}")
+            events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason})
+        if restored is None:
+            if resume == "must":
+                raise CheckpointError(f"--resume: no valid checkpoint in {ckdir.folder}"
+                                      + (f" ({len(skipped)} damaged, see the warnings above)" if skipped else "")
+                                      + "; run without --resume to start from step 0")
+            if skipped:
+                warn(f"no valid checkpoint left in {ckdir.folder}; starting from step 0")
+            elif ckdir.last_path.exists():
+                # written by a version without numbered checkpoints: not resumable, but a result
+                raise CheckpointError(f"{ckdir.last_path} is from an earlier gr-functional version and cannot be "
+                                      f"resumed; starting over would replace it. Pass --fresh to do that, or "
+                                      f"use another --out")
+        else:
+            errors, notes = resume_differences(restored.config, cfg)
+            if errors:
+                raise ConfigError(f"cannot resume from {restored.path}: it was trained with a different config "
+                                  f"({'; '.join(errors)}). Resume with the run's own config ({out / 'config.toml'}), "
+                                  f"pass --fresh to delete its checkpoints and start over, or use another --out")
+            if restored.opt_state is None or not {"step", "mu", "nu"} <= set(restored.opt_state):
+                raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
+                                      f"but not resumed")
+            if "loader" not in restored.meta or "run" not in restored.meta:
+                raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
+                                      f"it can be evaluated but not resumed")
+            saved_data = restored.meta.get("data", {}).get("sha256")
+            if saved_data not in (None, fingerprint):
+                raise ConfigError(f"cannot resume from {restored.path}: the training data changed since it was "
+                                  f"written (data fingerprint {saved_data[:12]}... now {fingerprint[:12]}...). "
+                                  f"Restore the data, pass --fresh to start over, or use another --out")
+            for note in notes:
+                warn(note)
+            train_loader.load_state_dict(restored.meta["loader"])  # DataError if the data changed
+    B = make_backend(cfg)
+
+    # ---- checks passed: from here on the run owns OUT
+    if resume == "never":
+        n = ckdir.clear()
+        if n:
+            _say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
+    for tmp in ckdir.stale_temp_files():
+        tmp.unlink(missing_ok=True)  # a write a killed run never finished (never renamed: not a checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+    if restored is not None:
+        params = B.asarray_tree(restored.params)
+        opt_state = _restore_opt_state(B, restored.opt_state, cfg)
+        state = RunState.from_meta(restored.meta["run"])
+        log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines)
+        timing = open(out / "timing.jsonl", "a")
+        e, s = train_loader.position
+        _say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
+             f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
+             f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
+        events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
+    else:
+        params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
+        opt_state = init_opt_state(B, params, cfg)
+        state = RunState()
+        log = JsonLog(out / "metrics.jsonl")
+        timing = open(out / "timing.jsonl", "w")
+        events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
+    for ev in events:
+        timing.write(json.dumps({**ev, "time": time.time()}) + "\n")
+
+    step_fn, scorer = make_train_step(B, cfg), make_scorer(B, cfg)
+    tc = cfg.train
+    k, max_steps = tc.accumulate, tc.max_steps
+    fp16 = cfg.backend.precision == "fp16"
+    epoch, start = train_loader.position
+    total = -(-train_loader.steps_per_epoch // k) * tc.epochs
+    total = min(total, max_steps) if max_steps else total
+
+    def finished() -> bool:
+        return epoch >= tc.epochs or bool(max_steps and state.step >= max_steps)
+
+    def save(reason: str, epoch_of: int) -> Path:
+        log.sync()
+        state.metrics_lines = log.lines
+        t0 = time.perf_counter()
+        meta = {"epoch": epoch_of, "step": state.step, "backend": B.name, "precision": cfg.backend.precision,
+                "reason": reason, "loader": train_loader.state_dict(), "run": state.to_meta(),
+                "data": {"sha256": fingerprint, "users": len(data), "events": int(data.num_events)},
+                # the whole RNG state: every draw is numpy default_rng((seed, epoch[, batch]))
+                "rng": {"generator": "numpy default_rng((train.seed, epoch, batch))", "seed": tc.seed,
+                        "position": list(train_loader.position)}}
+        path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
+        timing.write(json.dumps({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
+                                 "seconds": time.perf_counter() - t0}) + "\n")
+        timing.flush()
+        return path
+
+    if finished() and restored is not None:
+        _say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
+             f"{f', max_steps {max_steps}' if max_steps else ''}): rewriting eval.json and curves.png from its "
+             f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
+
     # disable=None: no bar when stderr is not a terminal (CI logs); epoch lines still print
-    bar = tqdm(total=total_steps, disable=None if progress else True, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=min(state.step, total), disable=None if progress else True, unit="step",
+               dynamic_ncols=True)
     t_start = time.perf_counter()
-    for epoch in range(cfg.train.epochs):
-        losses, tokens, t_epoch = [], 0, time.perf_counter()
-        for batch in train_loader.epoch(epoch):
-            if step >= total_steps:
-                break
-            params, opt_state, m = step_fn(params, opt_state, B.asarray_tree(batch))
-            step += 1
-            n_tok = batch.layout.num_tokens()
-            tokens += n_tok
-            loss = float(m["loss"])
-            losses.append(loss)
-            tok_s = tokens / max(time.perf_counter() - t_epoch, 1e-9)
-            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
-            bar.update(1)
-            if step % cfg.train.log_every == 0:
-                log.write(json.dumps({"kind": "train", "step": step, "epoch": epoch, "loss": loss,
-                                      "tokens": n_tok, "tokens_per_s": tok_s}) + "\n")
-                log.flush()
-        if not losses:
-            break
-        record = {"epoch": epoch, "step": step, "loss": float(np.mean(losses)),
-                  "epoch_seconds": time.perf_counter() - t_epoch}
-        last_epoch = epoch == cfg.train.epochs - 1 or step >= total_steps
-        if (epoch + 1) % cfg.train.eval_every == 0 or last_epoch:
-            for name in ("valid", "test"):
-                record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer)
-                log.write(json.dumps({"kind": "eval", "split": name, "epoch": epoch, "step": step,
-                                      **record[name]}) + "\n")
-            log.flush()
-            if best is None or record["valid"]["hr@10"] > best["valid"]["hr@10"]:
-                best = record
-            bar.write(f"epoch {epoch}: loss {record['loss']:.4f}  valid HR@10 {record['valid']['hr@10']:.4f}"
-                      f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
-        epochs.append(record)
-        save_checkpoint(out / "checkpoints" / "last.safetensors", B.to_numpy_tree(params),
-                        B.to_numpy_tree(opt_state), cfg, {"epoch": epoch, "step": step, "backend": B.name})
-        if last_epoch:
-            break
-    bar.close()
-    log.close()
-    last = epochs[-1]
+    try:
+        while not finished():
+            tokens, t_epoch = 0, time.perf_counter()
+            for micro in _groups(train_loader.epoch(epoch, start), k):
+                dev = [B.asarray_tree(b) for b in micro]
+                params, opt_state, m = step_fn(params, opt_state, dev if k > 1 else dev[0])
+                state.step += 1
+                n_tok = sum(b.layout.num_tokens() for b in micro)
+                tokens += n_tok
+                tok_s = tokens / max(time.perf_counter() - t_epoch, 1e-9)
+                if bool(m["finite"]):
+                    loss = float(m["loss"])
+                    state.epoch_losses.append(loss)
+                    state.bad_in_a_row = 0
+                    if state.step % tc.log_every == 0:
+                        record = {"kind": "train", "step": state.step, "epoch": epoch, "loss": loss, "tokens": n_tok}
+                        if fp16:
+                            record["loss_scale"] = float(m["loss_scale"])
+                        log.write(record)
+                        log.file.flush()
+                        timing.write(json.dumps({"kind": "train", "step": state.step, "tokens_per_s": tok_s,
+                                                 "elapsed_s": time.perf_counter() - t_start}) + "\n")
+                    bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+                else:
+                    reason, counts = _bad_step(m, cfg)
+                    state.skipped_total += 1
+                    state.bad_in_a_row += int(counts)
+                    record = {"kind": "skip", "step": state.step, "epoch": epoch, "reason": reason,
+                              "bad_in_a_row": state.bad_in_a_row}
+                    if fp16:
+                        record["next_loss_scale"] = float(opt_state["loss_scale"]["scale"])
+                    log.write(record)
+                    log.file.flush()
+                    bar.write(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
+                    if tc.max_bad_steps and state.bad_in_a_row >= tc.max_bad_steps:
+                        first = state.step - state.bad_in_a_row + 1
+                        log.write({"kind": "abort", "step": state.step, "epoch": epoch,
+                                   "reason": f"{state.bad_in_a_row} non-finite steps in a row",
+                                   "last_good_step": first - 1})
+                        path = save("abort", epoch)
+                        raise TrainingAborted(
+                            f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
+                            f"(train.max_bad_steps={tc.max_bad_steps}) had a non-finite loss or gradient "
+                            f"(last: {reason}). The last good state (params and optimizer after step {first - 1}, "
+                            f"data position after the skipped batches) is saved in {path}. Lower optim.lr, "
+                            f"check the data, or try backend.precision=fp32; rerunning the same command resumes "
+                            f"from that checkpoint")
+                bar.update(1)
+                last_of_epoch = train_loader.position[0] > epoch
+                if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and not last_of_epoch
+                        and not (max_steps and state.step >= max_steps)):
+                    save("interval", epoch)  # the epoch-end / final checkpoint follows otherwise
+                fault_point("after-step", state.step)
+                if max_steps and state.step >= max_steps:
+                    break
+            # ---- end of the epoch (or of the run, when max_steps stopped it early)
+            last = epoch == tc.epochs - 1 or bool(max_steps and state.step >= max_steps)
+            losses = state.epoch_losses
+            record = {"epoch": epoch, "step": state.step, "loss": float(np.mean(losses)) if losses else None}
+            if (epoch + 1) % tc.eval_every == 0 or last:
+                for name in ("valid", "test"):
+                    record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer)
+                    log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
+                log.file.flush()
+                loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+                bar.write(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
+                          f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
+            state.history.append(record)
+            state.epoch_losses = []
+            timing.write(json.dumps({"kind": "epoch", "epoch": epoch, "seconds": time.perf_counter() - t_epoch,
+                                     "tokens_per_s": tokens / max(time.perf_counter() - t_epoch, 1e-9)}) + "\n")
+            save("final" if last else "epoch", epoch)
+            epoch, start = epoch + 1, 0
+    finally:
+        bar.close()
+        log.close()
+        timing.close()
+
+    history = state.history
+    if not history:
+        raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
+    best = None
+    for record in history:
+        if "valid" in record and (best is None or record["valid"]["hr@10"] > best["valid"]["hr@10"]):
+            best = record
+    last = history[-1]
     result = {**best["test"], "epoch": best["epoch"], "selected_by": "best valid hr@10",
-              "last_epoch": last["epoch"], "last_epoch_test": last["test"], "dataset": data.name,
-              "backend": B.name, "steps": step, "wall_seconds": time.perf_counter() - t_start}
+              "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
+              "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
+              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - t_start}
     (out / "eval.json").write_text(json.dumps(result, indent=1))
-    _write_curves(out / "curves.png", epochs)
+    _write_curves(out / "curves.png", history)
     return result
 
 
@@ -164,7 +522,8 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     """Evaluate a checkpoint (trained on any backend) on ``backend`` with the run's own config."""
     from .data import split as split_mod
 
-    params_np, _, cfg, meta = load_checkpoint(path)
+    ck = read_checkpoint(path)
+    params_np, cfg, meta = ck.params, ck.config, ck.meta
     if backend:
         cfg = replace(cfg, backend={"name": backend})
     data = load_sequences(cfg)

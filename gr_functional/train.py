@@ -3,27 +3,194 @@
 ``train_step(B, params, opt_state, batch, cfg) -> (params, opt_state, metrics)`` has no side
 effects; ``make_train_step(B, cfg)`` returns it bound to a backend and config and jitted by
 the backend (``jax.jit`` on JAX, eager on torch).
+
+Everything a step needs beyond params lives in its arguments (README "Reliability"):
+
+- ``batch`` is one ``HSTUBatch`` or a list of micro-batches (gradient accumulation,
+  ``train.accumulate``). k micro-batches give the update of one batch holding all their
+  sequences: each micro-batch's mean loss is weighted by its share of the supervised tokens,
+  ``loss = sum_i n_i loss_i / sum_i n_i`` (n_i = ``sum(weights_i)``), the token-weighted mean
+  that ``model.loss_fn`` computes over one big jagged batch. Gradients are combined the same way.
+- ``cfg.backend.precision`` ("fp32" | "bf16" | "fp16"): params stay in the master dtype (fp32)
+  and are cast to the compute dtype inside the differentiated function, so gradients come back
+  in fp32 and the optimizer updates fp32 master weights. fp16 scales the loss by
+  ``opt_state["loss_scale"]["scale"]`` (dynamic loss scaling, state in the optimizer pytree).
+- NaN/Inf guard: when the loss or any gradient is not finite, the step is skipped inside the
+  function (``where(ok, new, old)`` on every leaf: params and optimizer state are returned
+  unchanged) and ``metrics["finite"]`` is false; the runner logs it and counts bad steps.
+
+metrics: ``loss`` (fp32 scalar, unscaled token-weighted mean), ``finite`` (bool: the update was
+applied), ``loss_finite`` (bool), ``tokens`` (supervised tokens, float), and for fp16
+``loss_scale`` (the scale this step used).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from . import model
 from .batch import HSTUBatch
 from .config import Config
-from .optim import adamw_update
+from .optim import adamw_init, adamw_update
+from .tree import tree_items, tree_map
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_ADAM_KEYS = ("step", "mu", "nu")
 
 
-def train_step(B, params: dict, opt_state: dict, batch: HSTUBatch, cfg: Config):
-    loss, grads = B.value_and_grad(partial(model.loss_fn, B, cfg=cfg.model))(params, batch)
-    params, opt_state = adamw_update(B, grads, opt_state, params, cfg.optim)
-    return params, opt_state, {"loss": loss}
+# ----------------------------------------------------------------------------- state
+def init_opt_state(B, params: dict, cfg: Config) -> dict:
+    """AdamW state ``{"step", "mu", "nu"}`` (``optim.adamw_init``), plus for fp16 the dynamic loss
+    scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``."""
+    state = adamw_init(B, params)
+    if cfg.backend.precision == "fp16":
+        state["loss_scale"] = init_loss_scale(B, cfg)
+    return state
+
+
+def init_loss_scale(B, cfg: Config) -> dict:
+    f32 = B.xp.float32
+    return {"scale": B.asarray(float(cfg.train.loss_scale), dtype=f32), "good_steps": B.asarray(0.0, dtype=f32)}
+
+
+# ----------------------------------------------------------------------------- pieces
+def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
+    """Dropout masks in the compute dtype (they multiply activations; 1/(1-p) = 1.25 is exact in
+    bf16/fp16). ``weights`` stay fp32: they weight the fp32 loss."""
+    return dataclasses.replace(
+        batch,
+        input_keep=None if batch.input_keep is None else B.cast(batch.input_keep, dtype),
+        block_keep=None if batch.block_keep is None else B.cast(batch.block_keep, dtype))
+
+
+def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
+    """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss."""
+    precision = cfg.backend.precision
+    if precision == "fp32":
+        loss = model.loss_fn(B, params, batch, cfg.model)
+    else:
+        P = B.with_precision(precision)
+        loss = model.loss_fn(P, B.cast_tree(params, P.compute_dtype_name),
+                             _cast_batch(B, batch, P.compute_dtype_name), cfg.model)
+        loss = B.cast(loss, B.dtype_name)
+    return (loss if scale is None else loss * scale), loss
+
+
+def micro_grads(B, params: dict, opt_state: dict, batch: HSTUBatch, cfg: Config):
+    """``(loss, tokens, grads)`` of one (micro-)batch: the fp32 mean loss, its supervised token
+    count ``sum(weights)`` and the unscaled gradients (a tree like params, master dtype)."""
+    scale = opt_state["loss_scale"]["scale"] if "loss_scale" in opt_state else None
+    (_, loss), grads = B.value_and_grad(partial(_loss, B, cfg=cfg), has_aux=True)(params, batch, scale)
+    if scale is not None:
+        grads = tree_map(lambda g: g / scale, grads)  # scale is a power of two: exact
+    return loss, B.xp.sum(batch.weights), grads
+
+
+def accumulate(B, acc, loss, tokens, grads):
+    """Running token-weighted sums ``(sum n_i loss_i, sum n_i, sum n_i g_i)`` (acc None = empty)."""
+    if acc is None:
+        return loss * tokens, tokens, tree_map(lambda g: g * tokens, grads)
+    a_loss, a_tok, a_grads = acc
+    return a_loss + loss * tokens, a_tok + tokens, tree_map(lambda a, g: a + g * tokens, a_grads, grads)
+
+
+def finish(B, acc):
+    """``(loss, tokens, grads)`` of the union of the accumulated micro-batches: sums / total tokens
+    (at least 1, as ``model.loss_fn`` divides by ``max(sum(weights), 1)``)."""
+    xp = B.xp
+    a_loss, a_tok, a_grads = acc
+    denom = xp.maximum(a_tok, xp.ones_like(a_tok))
+    return a_loss / denom, a_tok, tree_map(lambda g: g / denom, a_grads)
+
+
+def all_finite(B, tree):
+    """0-d bool: every element of every leaf is finite."""
+    xp = B.xp
+    ok = None
+    for _, leaf in tree_items(tree):
+        leaf_ok = xp.all(xp.isfinite(leaf))
+        ok = leaf_ok if ok is None else xp.logical_and(ok, leaf_ok)
+    return xp.asarray(True) if ok is None else ok
+
+
+def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config):
+    """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``."""
+    xp = B.xp
+    loss_ok = xp.isfinite(loss)
+    ok = xp.logical_and(loss_ok, all_finite(B, grads))
+    adam = {k: opt_state[k] for k in _ADAM_KEYS}
+    new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
+    # skip a non-finite step: select the old leaves (NaNs in the unselected branch are harmless)
+    keep = lambda new, old: xp.where(ok, new, old)  # noqa: E731
+    params = tree_map(keep, new_params, params)
+    state = tree_map(keep, new_adam, adam)
+    metrics = {"loss": loss, "finite": ok, "loss_finite": loss_ok, "tokens": tokens}
+    if "loss_scale" in opt_state:
+        scaler = opt_state["loss_scale"]
+        scale, good = scaler["scale"], scaler["good_steps"] + 1.0
+        grow = good >= float(cfg.train.loss_scale_window)
+        # torch.amp.GradScaler's rule: halve on overflow, double after a window of clean steps
+        new_scale = xp.where(ok, xp.where(grow, scale * 2.0, scale), scale * 0.5)
+        new_good = xp.where(xp.logical_and(ok, xp.logical_not(grow)), good, xp.zeros_like(good))
+        state["loss_scale"] = {"scale": new_scale, "good_steps": new_good}
+        metrics["loss_scale"] = scale
+    return params, state, metrics
+
+
+# ----------------------------------------------------------------------------- the step
+def train_step(B, params: dict, opt_state: dict, batch, cfg: Config):
+    """One optimizer step on ``batch`` (an ``HSTUBatch`` or a list of micro-batches). Pure."""
+    batches = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    if len(batches) == 1:
+        # one batch: its own mean loss and gradients, no re-weighting (bitwise the plain step)
+        loss, tokens, grads = micro_grads(B, params, opt_state, batches[0], cfg)
+    else:
+        acc = None
+        for mb in batches:
+            acc = accumulate(B, acc, *micro_grads(B, params, opt_state, mb, cfg))
+        loss, tokens, grads = finish(B, acc)
+    return apply_update(B, params, opt_state, loss, tokens, grads, cfg)
 
 
 def make_train_step(B, cfg: Config):
-    return B.jit(partial(train_step, B, cfg=cfg))
+    """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``.
+
+    Computes ``train_step``. A single batch runs as one jitted program; micro-batches run one
+    jitted gradient program per micro-batch (compiled once per capacity) and a running sum, so
+    JAX never compiles a program per combination of micro-batch capacities and only one
+    gradient tree is held besides the sum.
+    """
+    whole = B.jit(partial(train_step, B, cfg=cfg))
+    grads_fn = B.jit(partial(micro_grads, B, cfg=cfg))
+    first_fn = B.jit(partial(accumulate, B, None))
+    acc_fn = B.jit(partial(accumulate, B))
+    apply_fn = B.jit(lambda params, opt_state, acc: apply_update(B, params, opt_state, *finish(B, acc), cfg))
+
+    def step(params, opt_state, batch):
+        if not isinstance(batch, (list, tuple)):
+            return whole(params, opt_state, batch)
+        if len(batch) == 1:
+            return whole(params, opt_state, batch[0])
+        acc = None
+        for mb in batch:
+            part = grads_fn(params, opt_state, mb)
+            acc = first_fn(*part) if acc is None else acc_fn(acc, *part)
+        return apply_fn(params, opt_state, acc)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- evaluation
+def _score(B, params: dict, batch: HSTUBatch, cfg: Config):
+    precision = cfg.backend.precision
+    if precision == "fp32":
+        return model.score_last(B, params, batch, cfg.model)
+    P = B.with_precision(precision)
+    scores = model.score_last(P, B.cast_tree(params, P.compute_dtype_name), batch, cfg.model)
+    return B.cast(scores, B.dtype_name)
 
 
 def make_scorer(B, cfg: Config):
-    """``scores = scorer(params, batch)`` -> [B_cap, N+1] for the last position of each history."""
-    return B.jit(partial(model.score_last, B, cfg=cfg.model))
+    """``scores = scorer(params, batch)`` -> [B_cap, N+1] for the last position of each history,
+    computed in ``backend.precision`` (returned in the master dtype)."""
+    return B.jit(partial(_score, B, cfg=cfg))
