@@ -107,6 +107,18 @@ def cmd_data(args) -> int:
     return 0
 
 
+BENCHMARKS = {"balance": "benchmarks.balance"}
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    if args.name not in BENCHMARKS:
+        raise SystemExit(f"grf bench: unknown benchmark {args.name!r}; available: {', '.join(BENCHMARKS)}")
+    importlib.import_module(BENCHMARKS[args.name]).run(json_lines=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -144,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("name", nargs="?", default="ml-1m")
     d.add_argument("--dest", help="target data folder (default: GRF_DATA_DIR or the user cache)")
     d.set_defaults(fn=cmd_data)
+
+    b = sub.add_parser("bench", help="run a benchmark (prints a table, or JSON lines with --json)")
+    b.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
+    b.add_argument("--json", action="store_true", help="one JSON object per line")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 
