@@ -97,3 +97,61 @@ class JaxBackend(Backend):
 
     def logsumexp(self, x, axis: int = -1):
         return self._jax.nn.logsumexp(x, axis=axis)
+
+
+# ----------------------------------------------------------------------------- data parallel
+def stack_rank_batches(rank_batches: list) -> Any:
+    """``[R]`` numpy HSTUBatches of equal capacities (``TrainLoader.rank_batches(...,
+    capacity="common")``) -> one HSTUBatch whose every leaf has a leading rank axis ``[R, ...]``."""
+    from gr_functional.tree import tree_map
+
+    caps = {(b.tokens.t_cap, b.tokens.b_cap) for b in rank_batches}
+    if len(caps) != 1:
+        raise ValueError(f"rank batches must share one capacity to stack, got (t_cap, b_cap) {sorted(caps)}")
+    return tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), rank_batches[0], *rank_batches[1:])
+
+
+def make_sharded_train_step(B: "JaxBackend", cfg, devices=None):
+    """The JAX reference of the data-parallel step: one process, one rank per jax device.
+
+    Returns ``step(params, opt_state, micro, scales, global_tokens) -> (params, opt_state, metrics)``:
+    micro: list of stacked micro-batches (``stack_rank_batches``; leaves ``[R, ...]``, sharded
+    along a 1-D mesh axis "data" of ``devices``, default all); scales ``[R, k]`` float32: rank r's
+    weight ``n_ri / G`` of micro-batch i (``gr_functional.train.rank_scales``); global_tokens:
+    G. Under ``shard_map`` each device computes ``train.rank_grads`` on its own sequences, the
+    gradients and loss parts are ``psum``-med over "data" (the torch collective's SUM
+    all-reduce), and every device applies the same AdamW update to replicated params: the same
+    math as ``train.make_dist_train_step``. CPU tests force devices with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts).
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from gr_functional.train import apply_update, rank_grads
+
+    devices = list(devices or jax.devices())
+    mesh = Mesh(np.array(devices), ("data",))
+
+    def per_rank(params, opt_state, micro, scales, global_tokens):
+        local = [jax.tree_util.tree_map(lambda x: x[0], mb) for mb in micro]   # drop the rank axis
+        loss_part, grads = rank_grads(B, params, opt_state, local, [scales[0, i] for i in range(len(local))], cfg)
+        grads = jax.lax.psum(grads, "data")
+        loss = jax.lax.psum(loss_part, "data")
+        return apply_update(B, params, opt_state, loss, global_tokens, grads, cfg)
+
+    # check_vma=False: per-device gradients of the replicated params stay per-device (with the
+    # check on, JAX would insert the psum itself when transposing the implicit broadcast of
+    # params, and the explicit psum above would double them); the psum is then ours, as the
+    # torch collective's all-reduce, and the outputs are replicated because it ran.
+    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
+                                    out_specs=P(), check_vma=False))
+    data_sharding = NamedSharding(mesh, P("data"))
+
+    def step(params, opt_state, micro, scales, global_tokens):
+        micro = [B.asarray_tree(mb) for mb in micro]  # registers the batch dataclasses as pytrees
+        micro = jax.device_put(micro, data_sharding)
+        scales = jax.device_put(np.asarray(scales, dtype=np.float32), data_sharding)
+        return sharded(params, opt_state, micro, scales, np.float32(global_tokens))
+
+    step.mesh = mesh
+    return step

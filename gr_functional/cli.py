@@ -2,9 +2,15 @@
 
     grf train --config experiments/configs/NAME.toml [--backend B] [--set key=value ...] [--out DIR]
               [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
+              [--nproc N]            (N > 1: data-parallel on this host through torch.distributed.run)
     grf eval --checkpoint PATH [--backend B] [--split test|valid]
     grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
     grf data fetch ml-1m | grf data info
+    grf bench balance | grf bench calibrate --config FILE [--set ...] [--json]
+
+Exit codes: 0 done, 2 user error (nothing written), 3 aborted by the NaN/Inf guard, 4 a
+data-parallel rank died or hung (the message names it). Under torchrun every rank prints its
+own errors prefixed with its rank; only rank 0 prints the result.
 """
 from __future__ import annotations
 
@@ -39,6 +45,47 @@ def _load(args):
     return load_config(_config_path(args.config), overrides)
 
 
+def _launched_rank() -> int | None:
+    """This process's rank when torchrun started it (WORLD_SIZE > 1), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return int(os.environ.get("RANK", "0"))
+    return None
+
+
+def _launch(args, cfg, out: Path, nproc: int) -> int:
+    """``grf train --nproc N``: run this same command as N ranks on this host under
+    ``torch.distributed.run`` (torchrun) with a free local port. Returns torchrun's exit code
+    (non-zero when any rank failed; each rank's own message names it)."""
+    import subprocess
+
+    from .config import ConfigError
+    from .runner import DIST_TORCH_BACKENDS, validate
+
+    validate(cfg)  # user errors once, before N processes start
+    if cfg.backend.name not in DIST_TORCH_BACKENDS:
+        raise ConfigError(f"--nproc {nproc}: multi-process training runs the torch backends "
+                          f"({', '.join(DIST_TORCH_BACKENDS)}), not backend.name={cfg.backend.name!r}; "
+                          f"the JAX data-parallel reference is backends.jax.make_sharded_train_step")
+    argv = ["train", "--out", str(out)]
+    if args.config:
+        argv += ["--config", str(args.config)]
+    if args.backend:
+        argv += ["--backend", args.backend]
+    for item in args.set or []:
+        argv += ["--set", item]
+    argv += ["--set", f"dist.nproc={nproc}"]
+    argv += ["--quiet"] if args.quiet else []
+    argv += ["--resume"] if args.resume else ["--fresh"] if args.fresh else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "-m", "gr_functional.cli", *argv]
+    print(f"grf: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    code = subprocess.call(cmd)
+    if code != 0:
+        print(f"grf: error: the {nproc}-rank run failed (torchrun exit {code}); the messages above name the "
+              f"failing rank", file=sys.stderr)
+    return code
+
+
 def cmd_train(args) -> int:
     from .runner import train
 
@@ -47,9 +94,19 @@ def cmd_train(args) -> int:
     # bf16/fp16 runs get their own default folder, so they never resume an fp32 run by accident
     suffix = "" if cfg.backend.precision == "fp32" else f"-{cfg.backend.precision}"
     out = Path(args.out or f"runs/{name}-{cfg.backend.name}{suffix}")
+    nproc = args.nproc if args.nproc is not None else cfg.dist.nproc
+    if nproc < 1:
+        from .config import ConfigError
+
+        raise ConfigError(f"--nproc (or dist.nproc) must be >= 1, got {nproc}")
+    rank = _launched_rank()
+    if rank is None and nproc > 1:
+        return _launch(args, cfg, out, nproc)
     # default: continue from OUT/checkpoints when it holds a valid checkpoint (the runner says so)
     resume = "must" if args.resume else "never" if args.fresh else "auto"
     result = train(cfg, out, progress=not args.quiet, resume=resume)
+    if rank:  # ranks other than 0 write nothing and print nothing
+        return 0
     keys = ["hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"]
     print(json.dumps({k: round(result[k], 4) for k in keys} | {"epoch": result["epoch"], "out": str(out)}))
     return 0
@@ -107,15 +164,26 @@ def cmd_data(args) -> int:
     return 0
 
 
-BENCHMARKS = {"balance": "benchmarks.balance"}
+BENCHMARKS = {"balance": "benchmarks.balance", "calibrate": "benchmarks.calibrate",
+              "dist_imbalance": "benchmarks.dist_imbalance"}
 
 
 def cmd_bench(args) -> int:
     import importlib
+    import inspect
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"grf bench: unknown benchmark {args.name!r}; available: {', '.join(BENCHMARKS)}")
-    importlib.import_module(BENCHMARKS[args.name]).run(json_lines=args.json)
+    run = importlib.import_module(BENCHMARKS[args.name]).run
+    kwargs = {"json_lines": args.json}
+    params = inspect.signature(run).parameters
+    if "sets" in params:  # benchmarks that launch `grf train` themselves (dist_imbalance)
+        kwargs.update(sets=list(args.set or []), config=args.config or DEFAULT_CONFIG)
+    elif "cfg" in params:  # benchmarks of a model config (calibrate)
+        kwargs["cfg"] = _load(args)
+    elif args.config or args.set or args.backend:
+        raise SystemExit(f"grf bench {args.name}: takes no --config/--set/--backend")
+    run(**kwargs)
     return 0
 
 
@@ -135,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Without --resume or --fresh, a run resumes when it finds one and starts fresh otherwise")
     r.add_argument("--fresh", action="store_true",
                    help="delete OUT/checkpoints and train from step 0")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="data-parallel processes on this host (default dist.nproc, 1); > 1 starts them through "
+                        "torch.distributed.run (torchrun). For several hosts run torchrun yourself (README)")
     t.set_defaults(fn=cmd_train, config=None)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on any backend")
@@ -160,20 +231,24 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark (prints a table, or JSON lines with --json)")
     b.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
+    b.add_argument("--config", help="model config (calibrate; default quickstart)")
+    b.add_argument("--backend", help="backend to measure on (calibrate; default backend.name)")
+    b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "train" and args.config is None:
+    if args.command in ("train", "bench") and args.config is None and (args.command == "train"
+                                                                      or args.name == "calibrate"):
         args.config = DEFAULT_CONFIG
     from backends import BackendUnavailable
 
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .jagged import JaggedError
-    from .runner import TrainingAborted
+    from .runner import DistributedError, TrainingAborted
 
     user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError)
     try:
@@ -181,14 +256,19 @@ def main(argv: list[str] | None = None) -> int:
         user_errors += (DataError,)
     except ImportError:
         pass
+    rank = _launched_rank()
+    who = "" if rank is None else f"rank {rank}: "  # every rank of a torchrun job prints its own errors
     try:
         return args.fn(args)
     except user_errors as exc:
-        print(f"grf: error: {exc}", file=sys.stderr)
+        print(f"grf: error: {who}{exc}", file=sys.stderr)
         return 2
     except TrainingAborted as exc:  # the run saved its last good state; exit 3 tells scripts apart
-        print(f"grf: error: {exc}", file=sys.stderr)
+        print(f"grf: error: {who}{exc}", file=sys.stderr)
         return 3
+    except DistributedError as exc:  # the message starts with "rank R:" already
+        print(f"grf: error: {exc}", file=sys.stderr, flush=True)
+        return 4
 
 
 if __name__ == "__main__":

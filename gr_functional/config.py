@@ -124,6 +124,44 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    """Multi-process data-parallel training (README "Distributed training"; torch backends only).
+
+    ``train.batch_size`` stays the GLOBAL batch: every rank builds the same global batch (same
+    users, negatives and dropout masks as a single-process run) and trains the sequences the
+    balancer gives it; gradients are SUM-all-reduced after each rank scales its loss by
+    ``1 / (global supervised tokens)``, so N ranks compute the single-process update.
+    """
+
+    # Process-group backend: "gloo" (CPU; the one verified here), "nccl" (CUDA), "hccl" (Ascend,
+    # needs torch_npu). Devices: nccl/hccl ranks use cuda:LOCAL_RANK / npu:LOCAL_RANK unless
+    # backend.device names one.
+    backend: str = "gloo"
+    # Processes on this host that `grf train` starts (through torch.distributed.run) when > 1.
+    # Under torchrun the world size comes from WORLD_SIZE and is written back here.
+    nproc: int = 1
+    # Which sequences of a global batch each rank trains: "none" (contiguous equal-count
+    # slices), "kk" (equal-count Karmarkar-Karp + exchange refinement on a*L^2 + b*L per
+    # sequence; the global batches are the single-process ones), "lookahead" (balance.plan_epoch
+    # over windows of `lookahead` global batches: sequences may move between nearby global
+    # batches, so the schedule differs from a single-process run).
+    balance: str = "kk"
+    lookahead: int = 16             # global batches pooled per window (balance = "lookahead")
+    # Cost per sequence of L input tokens: cost_a * L^2 + cost_b * L, fitted on this machine by
+    # `grf bench calibrate --config ...`; both 0 = the FLOP count of one HSTU layer
+    # (balance.flop_cost_coefficients) as a stand-in.
+    cost_a: float = 0.0
+    cost_b: float = 0.0
+    rank_token_cap: int = 0         # max input tokens per rank per global batch (0 = no cap)
+    # Failure detection: a rank whose heartbeat stops, or that makes no progress while others
+    # wait for it, for timeout_s seconds makes every rank exit (code 4) naming it; collectives
+    # time out after the same time. Rank 0 evaluates while the others wait without a timeout
+    # (they watch its heartbeat instead), so long evaluations are fine.
+    timeout_s: float = 300.0
+    bucket_mb: float = 25.0         # gradient all-reduce bucket size (launched during backward)
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -131,6 +169,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -21,6 +21,13 @@ checkpoint, training continues from the newest one: params, optimizer state (and
 the loader position (epoch, batch), the step, the per-epoch history and metrics.jsonl up to that
 step. All randomness is numpy ``default_rng((train.seed, epoch[, step]))`` drawn by the loader,
 so the position and the seed are the whole RNG state.
+
+Data-parallel (README "Distributed training"): under torchrun (``WORLD_SIZE > 1``) every rank
+runs ``train``; each trains its share of every global batch (``data.loader.RankSplit``) with
+``train.make_dist_train_step`` over a ``backends.dist_torch.TorchCollective``. Rank 0 alone
+reads and writes OUT (config, metrics, timing, checkpoints, eval.json, curves) and evaluates;
+the resume decision and checkpoint state are broadcast from it, so OUT need only exist on rank
+0's host. timing.jsonl then also records per-rank forward+backward seconds and their imbalance.
 """
 from __future__ import annotations
 
@@ -46,6 +53,16 @@ RESUME_MODES = ("auto", "must", "never")
 
 class TrainingAborted(RuntimeError):
     """Too many non-finite steps in a row; the message names the saved checkpoint and what to try."""
+
+
+class DistributedError(RuntimeError):
+    """A data-parallel rank died or hung, or a collective failed; the message names the rank
+    (``grf train`` exits 4)."""
+
+
+DIST_BACKENDS = ("gloo", "nccl", "hccl")
+DIST_BALANCE = ("none", "kk", "lookahead")   # data.loader.DIST_BALANCE (not imported here: lazy data imports)
+DIST_TORCH_BACKENDS = ("torch", "npu")
 
 
 # ----------------------------------------------------------------------------- data
@@ -112,10 +129,28 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be >= {low}")
     if not (math.isfinite(t.loss_scale) and t.loss_scale >= 1.0):
         raise ConfigError(f"train.loss_scale={t.loss_scale} must be a finite number >= 1 (e.g. 65536.0)")
+    d = cfg.dist
+    if d.backend not in DIST_BACKENDS:
+        raise ConfigError(f"dist.backend={d.backend!r} is not one of {', '.join(DIST_BACKENDS)} (gloo: CPU, "
+                          f"nccl: CUDA, hccl: Ascend)")
+    if d.balance not in DIST_BALANCE:
+        raise ConfigError(f"dist.balance={d.balance!r} is not one of {', '.join(DIST_BALANCE)}")
+    for key, value, low in [("dist.nproc", d.nproc, 1), ("dist.lookahead", d.lookahead, 1),
+                            ("dist.rank_token_cap", d.rank_token_cap, 0)]:
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}")
+    for key, value in [("dist.cost_a", d.cost_a), ("dist.cost_b", d.cost_b)]:
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{key}={value} must be a finite number >= 0 (0 and 0: the FLOP stand-in; "
+                              f"`grf bench calibrate` measures them)")
+    for key, value in [("dist.timeout_s", d.timeout_s), ("dist.bucket_mb", d.bucket_mb)]:
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{key}={value} must be a finite number > 0")
 
 
-def make_backend(cfg: Config):
-    options = {"device": cfg.backend.device or None, "dtype": cfg.backend.dtype}
+def make_backend(cfg: Config, device: str | None = None):
+    """The backend of ``cfg.backend``; ``device`` overrides ``backend.device`` (a rank's device)."""
+    options = {"device": device or cfg.backend.device or None, "dtype": cfg.backend.dtype}
     if cfg.backend.hstu_kernel != "default":
         options["hstu_kernel"] = cfg.backend.hstu_kernel
     B = get_backend(cfg.backend.name, **options)
@@ -125,15 +160,19 @@ def make_backend(cfg: Config):
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0) -> dict:
+def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0,
+             on_batch=None) -> dict:
     """HR@K / NDCG@K / MRR on leave-one-out ``examples`` (split.test or split.valid): full-catalogue
-    ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history."""
+    ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history.
+    ``on_batch()``, if given, is called before each batch (the distributed watchdog's progress)."""
     from .data import loader, metrics
 
     scorer = scorer or make_scorer(B, cfg)
     ranks = []
     for batch, targets, exclude in loader.iter_eval(examples, cfg.model, cfg.eval.batch_size,
                                                     max_users=max_users or cfg.eval.max_users):
+        if on_batch is not None:
+            on_batch()
         scores = B.to_numpy(scorer(params, B.asarray_tree(batch)))[: len(targets)]
         ranks.append(metrics.ranks_from_scores(scores, targets, exclude, candidates=candidates))
     return metrics.metrics_from_ranks(np.concatenate(ranks), cfg.eval.ks)
@@ -228,6 +267,33 @@ class JsonLog:
         self.file.close()
 
 
+class _NullLog:
+    """JsonLog's interface writing nothing: ranks other than 0 count lines (the run state they
+    carry matches rank 0's) but own no files."""
+
+    def __init__(self):
+        self.lines = 0
+        self.file = open(os.devnull, "w")
+
+    def write(self, record: dict) -> None:
+        self.lines += 1
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _fault_point(name: str, step: int) -> None:
+    """``checkpoint.fault_point``, limited to rank ``GRF_FAULT_RANK`` when that is set (tests of a
+    data-parallel run pause or kill one rank)."""
+    only = os.environ.get("GRF_FAULT_RANK")
+    if only is not None and only != os.environ.get("RANK", "0"):
+        return
+    fault_point(name, step)
+
+
 def _say(message: str) -> None:
     print(f"grf: {message}", file=sys.stderr, flush=True)
 
@@ -288,6 +354,82 @@ def _write_curves(path: Path, epochs: list[dict]) -> None:
     plt.close(fig)
 
 
+def _world_size() -> int:
+    """``WORLD_SIZE`` from torchrun's environment (1 when not launched by it)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
+
+
+def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fingerprint: str):
+    """``(restored checkpoint or None, events)``: the checkpoint to resume from, after every check
+    (raises ConfigError / CheckpointError / DataError naming the file and the fix)."""
+    events: list[dict] = []
+    restored: Checkpoint | None = None
+    if resume == "never":
+        return None, events
+    restored, skipped = ckdir.latest_valid()
+    for path, reason in skipped:
+        warn(f"skipping damaged checkpoint {path}: {reason}")
+        events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason})
+    if restored is None:
+        if resume == "must":
+            raise CheckpointError(f"--resume: no valid checkpoint in {ckdir.folder}"
+                                  + (f" ({len(skipped)} damaged, see the warnings above)" if skipped else "")
+                                  + "; run without --resume to start from step 0")
+        if skipped:
+            warn(f"no valid checkpoint left in {ckdir.folder}; starting from step 0")
+        elif ckdir.last_path.exists():
+            # written by a version without numbered checkpoints: not resumable, but a result
+            raise CheckpointError(f"{ckdir.last_path} is from an earlier gr-functional version and cannot be "
+                                  f"resumed; starting over would replace it. Pass --fresh to do that, or "
+                                  f"use another --out")
+        return None, events
+    out = ckdir.folder.parent
+    errors, notes = resume_differences(restored.config, cfg)
+    if errors:
+        raise ConfigError(f"cannot resume from {restored.path}: it was trained with a different config "
+                          f"({'; '.join(errors)}). Resume with the run's own config ({out / 'config.toml'}), "
+                          f"pass --fresh to delete its checkpoints and start over, or use another --out")
+    if restored.opt_state is None or not {"step", "mu", "nu"} <= set(restored.opt_state):
+        raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
+                              f"but not resumed")
+    if "loader" not in restored.meta or "run" not in restored.meta:
+        raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
+                              f"it can be evaluated but not resumed")
+    saved_data = restored.meta.get("data", {}).get("sha256")
+    if saved_data not in (None, fingerprint):
+        raise ConfigError(f"cannot resume from {restored.path}: the training data changed since it was "
+                          f"written (data fingerprint {saved_data[:12]}... now {fingerprint[:12]}...). "
+                          f"Restore the data, pass --fresh to start over, or use another --out")
+    for note in notes:
+        warn(note)
+    train_loader.load_state_dict(restored.meta["loader"])  # DataError if the data changed
+    return restored, events
+
+
+def _resume_on_all_ranks(comm, find):
+    """Rank 0 runs ``find()`` (it alone reads OUT) and broadcasts the result, or its error, to
+    every rank; a user error is raised on every rank with the same class and message."""
+    from .data.loaders import DataError
+
+    user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError)}
+    decision = None
+    if comm.is_main:
+        try:
+            decision = {"result": find()}
+        except tuple(user_errors.values()) as exc:
+            comm.broadcast({"error": (type(exc).__name__, str(exc))})
+            raise
+    decision = comm.broadcast(decision)
+    if "error" in decision:
+        name, message = decision["error"]
+        raise user_errors[name](f"(reported by rank 0) {message}")
+    return decision["result"]
+
+
 # ----------------------------------------------------------------------------- training
 def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto") -> dict:
     """Train per ``cfg``, evaluate, write the output files; returns the eval.json dict.
@@ -298,96 +440,116 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     starts over (``grf train --fresh``). Nothing under OUT is written or deleted until the data,
     the config and the checkpoint have been checked, so a rejected run loses nothing.
     Raises ``TrainingAborted`` after ``train.max_bad_steps`` non-finite steps in a row.
-    """
-    from tqdm import tqdm
 
-    from .checkpoint import atomic_write_bytes
+    Under torchrun (``WORLD_SIZE > 1``) this is one rank of a data-parallel run (module
+    docstring): ranks other than 0 return ``{"rank": r, "steps": ...}`` and write nothing.
+    Raises ``DistributedError`` (naming the rank) when a rank dies or hangs.
+    """
     from .data import loader, split as split_mod
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     validate(cfg)
+    world = _world_size()
+    if world > 1:
+        if cfg.backend.name not in DIST_TORCH_BACKENDS:
+            raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the torch backends "
+                              f"({', '.join(DIST_TORCH_BACKENDS)}); the JAX reference of the data-parallel step is "
+                              f"backends.jax.make_sharded_train_step (one process, several jax devices)")
+        cfg = replace(cfg, dist={"nproc": world})  # the resolved config records the real world size
     out = Path(out_dir)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
     check_data(data, splits)
     fingerprint = data_fingerprint(data)
-    train_loader = loader.TrainLoader.from_config(splits.train, cfg)
+    train_loader = loader.TrainLoader.from_config(splits.train, cfg, world_size=world)
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
-    events: list[dict] = []
 
-    restored: Checkpoint | None = None
-    if resume != "never":
-        restored, skipped = ckdir.latest_valid()
-        for path, reason in skipped:
-            warn(f"skipping damaged checkpoint {path}: {reason}")
-            events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason})
-        if restored is None:
-            if resume == "must":
-                raise CheckpointError(f"--resume: no valid checkpoint in {ckdir.folder}"
-                                      + (f" ({len(skipped)} damaged, see the warnings above)" if skipped else "")
-                                      + "; run without --resume to start from step 0")
-            if skipped:
-                warn(f"no valid checkpoint left in {ckdir.folder}; starting from step 0")
-            elif ckdir.last_path.exists():
-                # written by a version without numbered checkpoints: not resumable, but a result
-                raise CheckpointError(f"{ckdir.last_path} is from an earlier gr-functional version and cannot be "
-                                      f"resumed; starting over would replace it. Pass --fresh to do that, or "
-                                      f"use another --out")
+    comm, device = None, None
+    if world > 1:
+        # joined after each rank loaded its data (a slow loader never trips a collective timeout)
+        from backends import dist_torch
+
+        device = dist_torch.device_for(cfg.dist.backend, cfg.backend.device)
+        comm = dist_torch.init(cfg.dist, device)
+    try:
+        find = lambda: _find_resume(cfg, ckdir, resume, train_loader, fingerprint)  # noqa: E731
+        if comm is None:
+            restored, events = find()
         else:
-            errors, notes = resume_differences(restored.config, cfg)
-            if errors:
-                raise ConfigError(f"cannot resume from {restored.path}: it was trained with a different config "
-                                  f"({'; '.join(errors)}). Resume with the run's own config ({out / 'config.toml'}), "
-                                  f"pass --fresh to delete its checkpoints and start over, or use another --out")
-            if restored.opt_state is None or not {"step", "mu", "nu"} <= set(restored.opt_state):
-                raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
-                                      f"but not resumed")
-            if "loader" not in restored.meta or "run" not in restored.meta:
-                raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
-                                      f"it can be evaluated but not resumed")
-            saved_data = restored.meta.get("data", {}).get("sha256")
-            if saved_data not in (None, fingerprint):
-                raise ConfigError(f"cannot resume from {restored.path}: the training data changed since it was "
-                                  f"written (data fingerprint {saved_data[:12]}... now {fingerprint[:12]}...). "
-                                  f"Restore the data, pass --fresh to start over, or use another --out")
-            for note in notes:
-                warn(note)
-            train_loader.load_state_dict(restored.meta["loader"])  # DataError if the data changed
-    B = make_backend(cfg)
+            restored, events = _resume_on_all_ranks(comm, find)
+            if restored is not None and not comm.is_main:
+                train_loader.load_state_dict(restored.meta["loader"])
+        B = make_backend(cfg, device)
+        result = _train_loop(cfg, out, progress, resume, B, comm, data, splits, fingerprint, train_loader, ckdir,
+                             restored, events)
+    except TrainingAborted:
+        if comm is not None:  # every rank aborts at the same step (same gradients): leave together
+            comm.shutdown()
+        raise
+    except BaseException as exc:
+        if comm is not None and not isinstance(exc, DistributedError):
+            comm.fail(f"{type(exc).__name__}: {exc}")  # peers stop now instead of at a timeout
+        raise
+    if comm is not None:
+        comm.shutdown()
+    return result
 
-    # ---- checks passed: from here on the run owns OUT
-    if resume == "never":
-        n = ckdir.clear()
-        if n:
-            _say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
-    for tmp in ckdir.stale_temp_files():
-        tmp.unlink(missing_ok=True)  # a write a killed run never finished (never renamed: not a checkpoint)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+
+def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, data, splits, fingerprint: str,
+                train_loader, ckdir: CheckpointDir, restored: Checkpoint | None, events: list[dict]) -> dict:
+    """The body of ``train`` once the data, config and checkpoint are checked (single process or
+    one rank)."""
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_write_bytes
+    from .train import make_dist_train_step
+
+    main = comm is None or comm.is_main
+    say = _say if main else (lambda message: None)
+    # ---- checks passed: from here on the run owns OUT (rank 0 only in a data-parallel run)
+    if main:
+        if resume == "never":
+            n = ckdir.clear()
+            if n:
+                say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
+        for tmp in ckdir.stale_temp_files():
+            tmp.unlink(missing_ok=True)  # a write a killed run never finished (never renamed: not a checkpoint)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
     if restored is not None:
         params = B.asarray_tree(restored.params)
         opt_state = _restore_opt_state(B, restored.opt_state, cfg)
         state = RunState.from_meta(restored.meta["run"])
-        log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines)
-        timing = open(out / "timing.jsonl", "a")
+        log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines) if main else _NullLog()
+        if not main:
+            log.lines = state.metrics_lines
+        timing = open(out / "timing.jsonl" if main else os.devnull, "a")
         e, s = train_loader.position
-        _say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
-             f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
-             f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
+        say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
+            f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
+            f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
         events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
     else:
         params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
         opt_state = init_opt_state(B, params, cfg)
         state = RunState()
-        log = JsonLog(out / "metrics.jsonl")
-        timing = open(out / "timing.jsonl", "w")
+        log = JsonLog(out / "metrics.jsonl") if main else _NullLog()
+        timing = open(out / "timing.jsonl" if main else os.devnull, "w")
         events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
+    if comm is not None:
+        events.append({"kind": "distributed", "world_size": comm.world_size, "backend": comm.backend,
+                       "balance": cfg.dist.balance, "cost_a": train_loader.split.cost_a,
+                       "cost_b": train_loader.split.cost_b, "rank_token_cap": cfg.dist.rank_token_cap})
     for ev in events:
         timing.write(json.dumps({**ev, "time": time.time()}) + "\n")
 
-    step_fn, scorer = make_train_step(B, cfg), make_scorer(B, cfg)
+    if comm is None:
+        step_fn = make_train_step(B, cfg)
+    else:
+        step_fn = make_dist_train_step(B, cfg, comm)
+    scorer = make_scorer(B, cfg)
     tc = cfg.train
     k, max_steps = tc.accumulate, tc.max_steps
     fp16 = cfg.backend.precision == "fp16"
@@ -398,9 +560,13 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     def finished() -> bool:
         return epoch >= tc.epochs or bool(max_steps and state.step >= max_steps)
 
-    def save(reason: str, epoch_of: int) -> Path:
+    def save(reason: str, epoch_of: int) -> Path | None:
         log.sync()
         state.metrics_lines = log.lines
+        if not main:
+            return None  # rank 0 writes the (identical) state
+        if comm is not None:
+            comm.progress("checkpoint")
         t0 = time.perf_counter()
         meta = {"epoch": epoch_of, "step": state.step, "backend": B.name, "precision": cfg.backend.precision,
                 "reason": reason, "loader": train_loader.state_dict(), "run": state.to_meta(),
@@ -408,29 +574,55 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
                 # the whole RNG state: every draw is numpy default_rng((seed, epoch[, batch]))
                 "rng": {"generator": "numpy default_rng((train.seed, epoch, batch))", "seed": tc.seed,
                         "position": list(train_loader.position)}}
+        if comm is not None:
+            meta["world_size"] = comm.world_size
         path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
         timing.write(json.dumps({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
                                  "seconds": time.perf_counter() - t0}) + "\n")
         timing.flush()
         return path
 
+    def batches(e: int, s: int):
+        if comm is None:
+            return _groups(train_loader.epoch(e, s), k)
+        # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
+        return _groups(train_loader.rank_epoch(e, s, rank=comm.rank, capacity="exact"), k)
+
+    def eval_progress():
+        if comm is not None:
+            comm.progress("eval")
+
     if finished() and restored is not None:
-        _say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
-             f"{f', max_steps {max_steps}' if max_steps else ''}): rewriting eval.json and curves.png from its "
-             f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
+        say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
+            f"{f', max_steps {max_steps}' if max_steps else ''}): rewriting eval.json and curves.png from its "
+            f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
 
     # disable=None: no bar when stderr is not a terminal (CI logs); epoch lines still print
-    bar = tqdm(total=total, initial=min(state.step, total), disable=None if progress else True, unit="step",
-               dynamic_ncols=True)
+    bar = tqdm(total=total, initial=min(state.step, total), disable=None if (progress and main) else True,
+               unit="step", dynamic_ncols=True)
+    echo = bar.write if main else (lambda text: None)
     t_start = time.perf_counter()
     try:
         while not finished():
             tokens, t_epoch = 0, time.perf_counter()
-            for micro in _groups(train_loader.epoch(epoch, start), k):
-                dev = [B.asarray_tree(b) for b in micro]
-                params, opt_state, m = step_fn(params, opt_state, dev if k > 1 else dev[0])
+            rank_sum = None  # per-rank forward+backward seconds summed over the epoch's steps
+            step_max = step_mean = 0.0
+            for micro in batches(epoch, start):
+                if comm is None:
+                    dev = [B.asarray_tree(b) for b in micro]
+                    params, opt_state, m = step_fn(params, opt_state, dev if k > 1 else dev[0])
+                    n_tok = sum(b.layout.num_tokens() for b in micro)
+                else:
+                    comm.step = state.step + 1
+                    comm.progress("step")
+                    dev = [B.asarray_tree(rb.batch) for rb in micro]
+                    params, opt_state, m = step_fn(params, opt_state, dev, [rb.tokens for rb in micro],
+                                                   sum(rb.global_tokens for rb in micro))
+                    n_tok = sum(int(rb.rank_tokens.sum()) for rb in micro)  # global, as single-process
+                    rc = np.asarray(m["rank_compute_s"])
+                    rank_sum = rc if rank_sum is None else rank_sum + rc
+                    step_max, step_mean = step_max + float(rc.max()), step_mean + float(rc.mean())
                 state.step += 1
-                n_tok = sum(b.layout.num_tokens() for b in micro)
                 tokens += n_tok
                 tok_s = tokens / max(time.perf_counter() - t_epoch, 1e-9)
                 if bool(m["finite"]):
@@ -443,8 +635,13 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
                             record["loss_scale"] = float(m["loss_scale"])
                         log.write(record)
                         log.file.flush()
-                        timing.write(json.dumps({"kind": "train", "step": state.step, "tokens_per_s": tok_s,
-                                                 "elapsed_s": time.perf_counter() - t_start}) + "\n")
+                        trec = {"kind": "train", "step": state.step, "tokens_per_s": tok_s,
+                                "elapsed_s": time.perf_counter() - t_start}
+                        if comm is not None:
+                            trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"],
+                                        wait_s=m["wait_s"],
+                                        rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)])
+                        timing.write(json.dumps(trec) + "\n")
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
                 else:
                     reason, counts = _bad_step(m, cfg)
@@ -456,18 +653,19 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
                         record["next_loss_scale"] = float(opt_state["loss_scale"]["scale"])
                     log.write(record)
                     log.file.flush()
-                    bar.write(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
+                    echo(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
                     if tc.max_bad_steps and state.bad_in_a_row >= tc.max_bad_steps:
                         first = state.step - state.bad_in_a_row + 1
                         log.write({"kind": "abort", "step": state.step, "epoch": epoch,
                                    "reason": f"{state.bad_in_a_row} non-finite steps in a row",
                                    "last_good_step": first - 1})
                         path = save("abort", epoch)
+                        where = path if path is not None else f"{ckdir.folder} (written by rank 0)"
                         raise TrainingAborted(
                             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
                             f"(train.max_bad_steps={tc.max_bad_steps}) had a non-finite loss or gradient "
                             f"(last: {reason}). The last good state (params and optimizer after step {first - 1}, "
-                            f"data position after the skipped batches) is saved in {path}. Lower optim.lr, "
+                            f"data position after the skipped batches) is saved in {where}. Lower optim.lr, "
                             f"check the data, or try backend.precision=fp32; rerunning the same command resumes "
                             f"from that checkpoint")
                 bar.update(1)
@@ -475,32 +673,49 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
                 if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and not last_of_epoch
                         and not (max_steps and state.step >= max_steps)):
                     save("interval", epoch)  # the epoch-end / final checkpoint follows otherwise
-                fault_point("after-step", state.step)
+                _fault_point("after-step", state.step)
                 if max_steps and state.step >= max_steps:
                     break
             # ---- end of the epoch (or of the run, when max_steps stopped it early)
             last = epoch == tc.epochs - 1 or bool(max_steps and state.step >= max_steps)
             losses = state.epoch_losses
             record = {"epoch": epoch, "step": state.step, "loss": float(np.mean(losses)) if losses else None}
-            if (epoch + 1) % tc.eval_every == 0 or last:
+            if ((epoch + 1) % tc.eval_every == 0 or last) and main:
                 for name in ("valid", "test"):
-                    record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer)
+                    record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer,
+                                            on_batch=eval_progress)
                     log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
                 log.file.flush()
                 loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-                bar.write(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
-                          f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
+                echo(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
+                     f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
+            elif (epoch + 1) % tc.eval_every == 0 or last:
+                log.lines += 2  # rank 0 writes the valid and test lines
             state.history.append(record)
             state.epoch_losses = []
-            timing.write(json.dumps({"kind": "epoch", "epoch": epoch, "seconds": time.perf_counter() - t_epoch,
-                                     "tokens_per_s": tokens / max(time.perf_counter() - t_epoch, 1e-9)}) + "\n")
+            erec = {"kind": "epoch", "epoch": epoch, "seconds": time.perf_counter() - t_epoch,
+                    "tokens_per_s": tokens / max(time.perf_counter() - t_epoch, 1e-9)}
+            if rank_sum is not None:
+                # the share of rank time spent waiting for the slowest rank: sum_steps(max) / sum_steps(mean) - 1
+                erec.update(rank_compute_s=[float(x) for x in rank_sum],
+                            imbalance=step_max / max(step_mean, 1e-12) - 1.0)
+            timing.write(json.dumps(erec) + "\n")
             save("final" if last else "epoch", epoch)
+            if comm is not None:
+                # the others wait on the store, not in a collective: evaluation may take longer
+                # than dist.timeout_s (the watchdog still sees rank 0's progress)
+                comm.post(f"epoch-{epoch}") if main else comm.wait_for(f"epoch-{epoch}")
             epoch, start = epoch + 1, 0
     finally:
         bar.close()
         log.close()
         timing.close()
 
+    if not main:
+        comm.wait_for("files")
+        return {"rank": comm.rank, "steps": state.step, "skipped_steps": state.skipped_total}
+    if comm is not None:
+        comm.progress("files")
     history = state.history
     if not history:
         raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
@@ -513,8 +728,12 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
               "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
               "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
               "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - t_start}
+    if comm is not None:
+        result["world_size"] = comm.world_size
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     _write_curves(out / "curves.png", history)
+    if comm is not None:
+        comm.post("files")
     return result
 
 

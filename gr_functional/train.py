@@ -19,6 +19,11 @@ Everything a step needs beyond params lives in its arguments (README "Reliabilit
   function (``where(ok, new, old)`` on every leaf: params and optimizer state are returned
   unchanged) and ``metrics["finite"]`` is false; the runner logs it and counts bad steps.
 
+Data parallel: ``make_dist_train_step`` is one rank's step (torch, over a collective);
+``rank_grads`` / ``rank_scales`` hold the math shared with the JAX reference
+(``backends.jax.make_sharded_train_step``): each rank's loss is normalised by the GLOBAL
+supervised token count and the gradients are SUM-reduced.
+
 metrics: ``loss`` (fp32 scalar, unscaled token-weighted mean), ``finite`` (bool: the update was
 applied), ``loss_finite`` (bool), ``tokens`` (supervised tokens, float), and for fp16
 ``loss_scale`` (the scale this step used).
@@ -26,9 +31,13 @@ applied), ``loss_finite`` (bool), ``tokens`` (supervised tokens, float), and for
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 
+import numpy as np
+
 from . import model
+from .balance import rank_loss_weight
 from .batch import HSTUBatch
 from .config import Config
 from .optim import adamw_init, adamw_update
@@ -176,6 +185,90 @@ def make_train_step(B, cfg: Config):
             part = grads_fn(params, opt_state, mb)
             acc = first_fn(*part) if acc is None else acc_fn(acc, *part)
         return apply_fn(params, opt_state, acc)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- data parallel
+# N ranks compute the single-process update (README "Distributed training"). Rank r holds
+# micro-batches i with n_ri supervised tokens out of G in the whole (accumulated) global batch.
+# It differentiates loss_ri * n_ri / G (its sum of token losses over the GLOBAL count, the factor
+# ``balance.rank_loss_weight(G, R, grad_reduce="sum")``), so a SUM all-reduce of the gradients
+# gives the gradient of the global token-weighted mean loss whatever the per-rank token counts;
+# normalising by the local count instead would over-weight tokens on ranks that hold few.
+def rank_scales(tokens, global_tokens: float, world_size: int) -> list[float]:
+    """``[n_i / G]``: the weight of each local micro-batch's mean loss (host floats)."""
+    w = rank_loss_weight(global_tokens, world_size, grad_reduce="sum") if global_tokens > 0 else 0.0
+    return [float(n) * w for n in tokens]
+
+
+def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=None, last_vg=None):
+    """``(loss_part, grads_part)`` of this rank, before the SUM over ranks: ``sum_i scales[i] *
+    loss_i`` (fp32 scalar) and the gradient of the same sum (a tree like params, unscaled).
+
+    micro: local HSTUBatches; scales: ``rank_scales`` (or device scalars, under JAX tracing).
+    ``vg`` differentiates ``_loss`` locally (default ``B.value_and_grad``); ``last_vg``, if
+    given, is used for the last micro-batch with ``prior=`` the earlier ones' gradient sum and
+    must return the REDUCED sum (the torch collective's overlapped all-reduce). Then the
+    returned grads are already summed over ranks, the loss part is not."""
+    loss_fn = partial(_loss, B, cfg=cfg)
+    vg = vg or B.value_and_grad(loss_fn, has_aux=True)
+    ls = opt_state["loss_scale"]["scale"] if "loss_scale" in opt_state else None
+    loss_part, acc = None, None
+    for i, (mb, sc) in enumerate(zip(micro, scales)):
+        obj_scale = sc if ls is None else ls * sc
+        if last_vg is not None and i == len(micro) - 1:
+            (_, loss), acc = last_vg(params, mb, obj_scale, prior=acc)
+        else:
+            (_, loss), g = vg(params, mb, obj_scale)
+            acc = g if acc is None else tree_map(lambda a, b: a + b, acc, g)
+        part = loss * sc
+        loss_part = part if loss_part is None else loss_part + part
+    if ls is not None:
+        acc = tree_map(lambda g: g / ls, acc)  # a power of two: exact, also after the sum
+    return loss_part, acc
+
+
+def make_dist_train_step(B, cfg: Config, comm):
+    """``step(params, opt_state, micro, tokens, global_tokens) -> (params, opt_state, metrics)``
+    for one rank of a torch data-parallel run (``comm``: backends.dist_torch.TorchCollective).
+
+    micro: this rank's micro-batches (HSTUBatch on B; a rank may hold none of a global batch's
+    sequences, then an empty one); tokens: their supervised token counts (host floats);
+    global_tokens: supervised tokens of all ranks' micro-batches of this step. Gradients are
+    all-reduced in buckets during the last micro-batch's backward; the loss and per-rank compute
+    times in one small all-reduce after it. Every rank then holds the same gradients and loss,
+    so the NaN guard and the fp16 scaler decide the same everywhere and params stay identical.
+
+    metrics as ``train_step`` plus host floats ``compute_s`` (this rank's forward+backward wall
+    seconds), ``wait_s`` (waiting for gradients after it), ``rank_compute_s`` and
+    ``rank_cpu_s`` (lists over ranks: wall and main-thread CPU seconds of forward+backward; CPU
+    time is what a rank's work costs even when a shared machine preempts it).
+    """
+    loss_fn = partial(_loss, B, cfg=cfg)
+    local_vg = B.value_and_grad(loss_fn, has_aux=True)
+    reduced_vg = comm.value_and_grad(B, loss_fn, has_aux=True)
+    R = comm.world_size
+
+    def step(params, opt_state, micro, tokens, global_tokens):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        scales = rank_scales(tokens, global_tokens, R)
+        loss_part, grads = rank_grads(B, params, opt_state, list(micro), scales, cfg, vg=local_vg,
+                                      last_vg=reduced_vg)
+        t_grads = time.perf_counter()
+        compute = comm.last_backward_end - t0
+        row = np.zeros(1 + 2 * R)
+        row[0] = float(loss_part)
+        row[1 + comm.rank] = compute
+        row[1 + R + comm.rank] = comm.last_backward_cpu - c0
+        row = comm.all_reduce_sum(row)
+        loss = B.asarray(row[0], dtype=B.float_dtype)
+        params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
+                                                  grads, cfg)
+        metrics.update(compute_s=compute, wait_s=t_grads - comm.last_backward_end,
+                       rank_compute_s=[float(x) for x in row[1:1 + R]],
+                       rank_cpu_s=[float(x) for x in row[1 + R:]])
+        return params, opt_state, metrics
 
     return step
 

@@ -5,19 +5,148 @@ Every random draw is a pure function of ``(seed, epoch)`` (user order) and ``(se
 uninterrupted run would have seen, on any backend. Nothing is padded to ``max_len``: a batch holds
 ``sum(min(L_u - 1, max_len))`` real tokens, rounded up to a capacity of the short
 ``round_up_capacity`` ladder so JAX compiles one program per capacity.
+
+Data-parallel training (``RankSplit``, README "Distributed training"). Every rank builds the
+same GLOBAL batch as a single-process run (same users in the same order, drawn from the same
+``default_rng((seed, epoch, step))``, so the same negatives and dropout masks) and then slices
+its own sequences out of it, each with its per-token negatives and masks (``slice_batch``). Why:
+the N-rank update is then the single-process update up to float summation order, with no
+per-rank random stream to keep in sync; the price is that each rank draws the whole global
+batch's negatives and masks on the host (cheap next to the model: numpy draws over T x R ints).
+Which rank trains which sequence is ``RankSplit.policy``: "none" (equal-count contiguous
+slices), "kk" (equal-count Karmarkar-Karp on ``cost_a L^2 + cost_b L``; global batches
+unchanged), "lookahead" (``balance.plan_epoch``: sequences move between nearby global batches).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import numpy as np
 
+from .. import balance
 from ..batch import HSTUBatch, make_batch
 from ..config import ModelConfig
-from ..jagged import round_up_capacity
+from ..jagged import Jagged, round_up_capacity
 from .loaders import DataError
 from .sequences import SequenceData
 from .split import EvalSet
+
+
+DIST_BALANCE = ("none", "kk", "lookahead")
+CAPACITIES = ("exact", "ladder")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSplit:
+    """How each global batch's sequences are divided among ``world_size`` data-parallel ranks.
+
+    policy: "none" | "kk" | "lookahead" (module docstring). Every policy gives each rank the same
+    number of sequences (counts differ by at most one): a per-sequence constant cost (padded
+    attention slots, kernel launches) then cancels, and JAX's stacked per-rank batches share
+    one capacity. cost_a, cost_b: ``cost = a L^2 + b L`` per sequence of L input tokens.
+    token_cap: max input tokens per rank per global batch (0 = none). lookahead: global batches
+    per planning window.
+    """
+
+    world_size: int
+    policy: str = "kk"
+    cost_a: float = 1.0
+    cost_b: float = 0.0
+    token_cap: int = 0
+    lookahead: int = 16
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise DataError(f"world size must be >= 1, got {self.world_size}")
+        if self.policy not in DIST_BALANCE:
+            raise DataError(f"dist.balance={self.policy!r} is not one of {', '.join(DIST_BALANCE)}")
+        if self.lookahead < 1:
+            raise DataError(f"dist.lookahead={self.lookahead} must be >= 1")
+        if self.token_cap < 0 or self.cost_a < 0 or self.cost_b < 0:
+            raise DataError("dist.rank_token_cap, dist.cost_a and dist.cost_b must be >= 0")
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "RankSplit":
+        """From ``cfg.dist``; ``cost_a = cost_b = 0`` takes ``balance.flop_cost_coefficients``."""
+        d, m = cfg.dist, cfg.model
+        a, b = d.cost_a, d.cost_b
+        if a == 0.0 and b == 0.0:
+            a, b = balance.flop_cost_coefficients(m.embed_dim, m.num_heads, m.dqk, m.dv)
+        return cls(int(world_size), d.balance, float(a), float(b), int(d.rank_token_cap), int(d.lookahead))
+
+    def costs(self, tokens) -> np.ndarray:
+        return balance.cost(tokens, self.cost_a, self.cost_b)
+
+    def schedule_key(self) -> str | None:
+        """What fixes the global batches beyond (seed, batch_size, max_tokens): None unless
+        "lookahead", whose batches depend on the world size, window, costs and cap."""
+        if self.policy != "lookahead":
+            return None
+        return (f"lookahead R={self.world_size} window={self.lookahead} a={self.cost_a!r} b={self.cost_b!r} "
+                f"cap={self.token_cap}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBatch:
+    """One rank's share of a global batch.
+
+      batch          HSTUBatch (numpy) of this rank's sequences, with their negatives and masks
+      global_tokens  float: supervised tokens of the whole global batch (the loss denominator)
+      tokens         float: supervised tokens of ``batch``
+      rank_tokens    [R] int64 input tokens of every rank's share
+      rank_costs     [R] float64 cost-model value of every rank's share
+    """
+
+    batch: HSTUBatch
+    global_tokens: float
+    tokens: float
+    rank_tokens: np.ndarray
+    rank_costs: np.ndarray
+
+
+def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "ladder") -> HSTUBatch:
+    """The sub-batch of ``batch`` (numpy) holding sequences ``seqs`` (indices, in that order) with
+    exactly their per-token values: ids, times, targets, weights, negatives[T, R], input_keep[T, D],
+    block_keep[N, T, H*dv]. Times keep the global batch's origin (attention sees differences only).
+
+    capacity: "ladder" (``round_up_capacity`` of the tokens, b_cap = sequences: the JAX choice),
+    "exact" (t_cap = tokens, b_cap = sequences, at least 1: torch runs exact shapes, and the
+    padded-dense reference attention costs b_cap * max_len^2, so no empty slots), or an explicit
+    ``(t_cap, b_cap)`` (equal shapes on every rank, for stacking).
+    """
+    L = batch.tokens
+    off = np.asarray(L.offsets).astype(np.int64)
+    seqs = [int(b) for b in seqs]
+    n_seq = len(seqs)
+    parts = [np.arange(off[b], off[b + 1]) for b in seqs]
+    rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    n = len(rows)
+    if capacity == "exact":
+        t_cap, b_cap = max(n, 1), max(n_seq, 1)
+    elif capacity == "ladder":
+        t_cap, b_cap = round_up_capacity(n), round_up_capacity(n_seq, 1)
+    elif isinstance(capacity, tuple):
+        t_cap, b_cap = capacity
+    else:
+        raise ValueError(f"capacity must be one of {CAPACITIES} or (t_cap, b_cap), got {capacity!r}")
+    values = np.asarray(L.values)
+    tokens = Jagged.from_sequences([values[p] for p in parts], max_len=L.max_len, t_cap=t_cap, b_cap=b_cap)
+
+    def take(x, axis=0):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        shape = list(x.shape)
+        shape[axis] = t_cap
+        out = np.zeros(shape, dtype=x.dtype)
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(0, n)
+        out[tuple(index)] = np.take(x, rows, axis=axis)
+        return out
+
+    return HSTUBatch(tokens, take(batch.ts), take(batch.query_ts), take(batch.targets), take(batch.weights),
+                     take(batch.negatives), take(batch.input_keep), take(batch.block_keep, axis=1))
 
 
 class TrainLoader:
@@ -32,10 +161,14 @@ class TrainLoader:
     The position (``epoch``, ``step``) names the next batch to produce; iterating advances it
     before each batch is handed out, so a checkpoint written after a train step stores the right
     place to resume from.
+
+    ``split`` (a ``RankSplit``, data-parallel runs): ``rank_epoch`` yields one rank's share of
+    each global batch (``RankBatch``). With policy "lookahead" the epoch's global batches come
+    from ``balance.plan_epoch`` instead of consecutive slices of the permutation.
     """
 
     def __init__(self, data: SequenceData, model_cfg: ModelConfig, batch_size: int, seed: int,
-                 num_items: int | None = None, *, max_tokens: int = 0):
+                 num_items: int | None = None, *, max_tokens: int = 0, split: RankSplit | None = None):
         if batch_size < 1:
             raise DataError(f"batch_size must be >= 1, got {batch_size}")
         if seed < 0:
@@ -59,15 +192,35 @@ class TrainLoader:
         if self.max_tokens and self.max_tokens < int(self.tokens.max()):
             raise DataError(f"max_tokens={self.max_tokens} is smaller than one user's {int(self.tokens.max())} "
                             f"training tokens; use max_tokens >= model.max_len={model_cfg.max_len} or 0 (off)")
+        self.split = split
+        if split is not None:
+            self._check_split(split)
         self._epoch = 0
         self._step = 0
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
+        self._assign_cache: tuple[int, list[np.ndarray]] | None = None
 
     @classmethod
-    def from_config(cls, data: SequenceData, cfg) -> "TrainLoader":
-        """From a full ``Config``: ``model``, ``train.batch_size``, ``train.seed`` and ``train.max_tokens``."""
+    def from_config(cls, data: SequenceData, cfg, world_size: int = 1) -> "TrainLoader":
+        """From a full ``Config``: ``model``, ``train.batch_size``, ``train.seed`` and ``train.max_tokens``;
+        with ``world_size > 1`` also ``dist.*`` (the rank split)."""
+        split = RankSplit.from_config(cfg, world_size) if world_size > 1 else None
         return cls(data, cfg.model, cfg.train.batch_size, cfg.train.seed, cfg.model.num_items or data.num_items,
-                   max_tokens=cfg.train.max_tokens)
+                   max_tokens=cfg.train.max_tokens, split=split)
+
+    def _check_split(self, split: RankSplit) -> None:
+        R = split.world_size
+        if split.token_cap and split.token_cap < int(self.tokens.max()):
+            raise DataError(f"dist.rank_token_cap={split.token_cap} is smaller than one user's "
+                            f"{int(self.tokens.max())} training tokens; use >= model.max_len="
+                            f"{self.model_cfg.max_len} or 0 (no cap)")
+        if split.policy == "lookahead":
+            if self.max_tokens:
+                raise DataError("dist.balance='lookahead' plans fixed-count global batches and cannot be combined "
+                                "with train.max_tokens; set train.max_tokens=0 or use dist.balance='kk'")
+            if self.batch_size % R:
+                raise DataError(f"dist.balance='lookahead' needs train.batch_size={self.batch_size} to be a multiple "
+                                f"of the world size {R} (every rank trains batch_size / {R} sequences)")
 
     # ------------------------------------------------------------------ schedule
     def __len__(self) -> int:
@@ -82,6 +235,8 @@ class TrainLoader:
         if self._plan_cache is not None and self._plan_cache[0] == epoch:
             return self._plan_cache[1]
         order = np.random.default_rng((self.seed, epoch)).permutation(self.num_users)
+        if self.split is not None and self.split.policy == "lookahead":
+            return self._plan_lookahead(epoch, order)
         if not self.max_tokens:
             steps = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         else:
@@ -94,6 +249,29 @@ class TrainLoader:
                 total += t
             steps.append(order[start:])
         self._plan_cache = (epoch, steps)
+        return steps
+
+    def _plan_lookahead(self, epoch: int, order: np.ndarray) -> list[np.ndarray]:
+        """Global batches of ``balance.plan_epoch(policy="lookahead")``; each batch's users are
+        rank-major (rank 0's, then rank 1's, ...), and the rank of each is cached."""
+        sp = self.split
+        R = sp.world_size
+        cap = sp.token_cap or None
+        # plan_epoch draws its shuffles from one int seed: derive it from (seed, epoch)
+        plan_seed = int(np.random.default_rng((self.seed, epoch, 2**31 - 1)).integers(2**31))
+        try:
+            ep = balance.plan_epoch(sp.costs(self.tokens), order, R, self.batch_size // R, policy="lookahead",
+                                    window=sp.lookahead, cap=cap, sizes=self.tokens, seed=plan_seed)
+        except ValueError as exc:
+            raise DataError(f"dist.balance='lookahead' could not plan epoch {epoch}: {exc}; raise "
+                            f"dist.rank_token_cap or set it to 0") from None
+        steps, assign = [], []
+        for b in range(ep.num_batches):
+            per_rank = ep.batch(b)
+            steps.append(np.concatenate(per_rank))
+            assign.append(np.repeat(np.arange(R), [len(x) for x in per_rank]))
+        self._plan_cache = (epoch, steps)
+        self._assign_cache = (epoch, assign)
         return steps
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -116,6 +294,85 @@ class TrainLoader:
                           num_items=self.num_items, train=True, b_cap=self.batch_size,
                           t_cap=round_up_capacity(int(self.tokens[users].sum())))
 
+    def rank_assignment(self, epoch: int, step: int) -> np.ndarray:
+        """``[B_s] int64``: the rank that trains each sequence of global batch ``step`` (in the
+        batch's order). A pure function of the plan and the costs, so every rank computes the same."""
+        sp = self.split
+        if sp is None:
+            raise ValueError("rank_assignment needs a loader built with split=RankSplit(...)")
+        users = self.plan(epoch)[step]
+        R = sp.world_size
+        if sp.policy == "lookahead":
+            if self._assign_cache is None or self._assign_cache[0] != epoch:
+                self._plan_cache = None
+                self.plan(epoch)
+            return self._assign_cache[1][step]
+        tok = self.tokens[users]
+        cap = sp.token_cap or None
+        if sp.policy == "none":
+            # contiguous equal-count slices, as np.array_split
+            counts = [len(x) for x in np.array_split(np.arange(len(users)), R)]
+            assign = np.repeat(np.arange(R), counts)
+            if cap is not None:
+                over = np.flatnonzero(np.bincount(assign, weights=tok, minlength=R) > cap)
+                if over.size:
+                    raise DataError(f"dist.rank_token_cap={cap}: rank {over[0]} gets "
+                                    f"{int(tok[assign == over[0]].sum())} tokens in epoch {epoch} step {step} "
+                                    f"with dist.balance='none'; use dist.balance='kk' (it respects the cap) or "
+                                    f"raise the cap")
+            return assign
+        c = sp.costs(tok)
+        try:
+            return balance.karmarkar_karp(c, R, equal_count=True, cap=cap, sizes=tok, refine_result=True)
+        except ValueError:
+            try:  # KK's repair pass can fail where LPT with the same limits succeeds
+                return balance.greedy_lpt(c, R, equal_count=True, cap=cap, sizes=tok)
+            except ValueError:
+                raise DataError(f"dist.rank_token_cap={cap}: the {int(tok.sum())} tokens of epoch {epoch} step "
+                                f"{step} cannot be split into {R} equal-count shares under the cap; raise "
+                                f"dist.rank_token_cap or lower train.batch_size") from None
+
+    def rank_batch(self, epoch: int, step: int, rank: int, *, capacity: str | tuple[int, int] = "exact",
+                   global_batch: HSTUBatch | None = None) -> RankBatch:
+        """Rank ``rank``'s share of global batch ``step`` of ``epoch`` (random access). The global
+        batch is built as ``batch(epoch, step)`` (or passed in) and sliced (``slice_batch``)."""
+        assign = self.rank_assignment(epoch, step)
+        R = self.split.world_size
+        if not 0 <= rank < R:
+            raise ValueError(f"rank {rank} is outside the world of {R} ranks")
+        whole = self.batch(epoch, step) if global_batch is None else global_batch
+        tok = self.tokens[self.plan(epoch)[step]]
+        mine = np.flatnonzero(assign == rank)
+        part = slice_batch(whole, mine, capacity=capacity)
+        return RankBatch(part, float(np.asarray(whole.weights).sum()), float(np.asarray(part.weights).sum()),
+                         np.bincount(assign, weights=tok, minlength=R).astype(np.int64),
+                         np.bincount(assign, weights=self.split.costs(tok), minlength=R))
+
+    def rank_batches(self, epoch: int, step: int, *, capacity: str | tuple[int, int] = "common") -> list[RankBatch]:
+        """Every rank's share of global batch ``step`` (the single-process JAX data-parallel step
+        and tests). ``capacity="common"`` (default) pads all to one ladder capacity (the largest
+        share's), so they stack into ``[R, ...]`` arrays; otherwise as ``slice_batch``."""
+        whole = self.batch(epoch, step)
+        if capacity == "common":
+            assign = self.rank_assignment(epoch, step)
+            tok = np.bincount(assign, weights=self.tokens[self.plan(epoch)[step]], minlength=self.split.world_size)
+            counts = np.bincount(assign, minlength=self.split.world_size)
+            capacity = (round_up_capacity(int(tok.max())), round_up_capacity(int(counts.max()), 1))
+        return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole)
+                for r in range(self.split.world_size)]
+
+    def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
+                   capacity: str | tuple[int, int] = "exact") -> Iterator[RankBatch]:
+        """Like ``epoch`` but yields this rank's ``RankBatch`` of each global batch; moves the
+        position the same way (every rank holds the same position)."""
+        n = self.steps_in_epoch(e)
+        for s in range(start_step, n):
+            part = self.rank_batch(e, s, rank, capacity=capacity)
+            self._epoch, self._step = (e, s + 1) if s + 1 < n else (e + 1, 0)
+            yield part
+        if start_step >= n:
+            self._epoch, self._step = e + 1, 0
+
     def epoch(self, e: int, start_step: int = 0) -> Iterator[HSTUBatch]:
         """Batches of epoch ``e`` from ``start_step`` on; moves the position as it goes."""
         n = self.steps_in_epoch(e)
@@ -137,14 +394,24 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """``{"epoch", "step"}`` of the next batch, plus what must match on resume."""
-        return {"epoch": self._epoch, "step": self._step, "seed": self.seed, "batch_size": self.batch_size,
-                "max_tokens": self.max_tokens, "num_users": self.num_users}
+        state = {"epoch": self._epoch, "step": self._step, "seed": self.seed, "batch_size": self.batch_size,
+                 "max_tokens": self.max_tokens, "num_users": self.num_users}
+        schedule = self.split.schedule_key() if self.split is not None else None
+        if schedule is not None:  # only lookahead changes the global batches; plain states stay as they were
+            state["schedule"] = schedule
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "batch_size", "max_tokens", "num_users"):
             if key in state and int(state[key]) != getattr(self, key):
                 raise DataError(f"loader state has {key}={state[key]} but this loader has {key}={getattr(self, key)}; "
                                 f"resuming would replay different batches. Resume with the run's original config")
+        mine = self.split.schedule_key() if self.split is not None else None
+        if state.get("schedule") != mine:
+            raise DataError(f"loader state was planned as {state.get('schedule') or 'plain global batches'} but this "
+                            f"run plans {mine or 'plain global batches'} (dist.balance='lookahead' batches depend on "
+                            f"the world size, dist.lookahead, dist.cost_a/b and dist.rank_token_cap); resume with "
+                            f"the original dist settings and number of ranks")
         epoch, step = int(state["epoch"]), int(state["step"])
         if epoch < 0 or step < 0:
             raise DataError(f"loader state has a negative position epoch={epoch} step={step}")
