@@ -164,7 +164,8 @@ class TorchCollective:
     def _collective_failed(self, what: str, exc: BaseException):
         Err = _error_cls()
         culprit = self._watchdog.find_dead(wait_s=min(self.timeout_s, max(4 * self.interval, 2.0)))
-        who = (f"rank {culprit[0]} died or stopped (no heartbeat for {culprit[1]:.1f} s)" if culprit
+        # same wording as the watchdog's own message: whichever path notices first, users read one text
+        who = (f"rank {culprit[0]} died or is stopped: no heartbeat for {culprit[1]:.1f} s" if culprit
                else "no rank's heartbeat stopped (a network problem, or a rank exited)")
         msg = f"rank {self.rank}: {what} at step {self.step} failed: {who}. Underlying error: {exc}"
         self.fail(msg)

@@ -1,6 +1,6 @@
 """The JAX data-parallel reference, run as a subprocess by test_jax_sharded.py:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.dist.sharded_reference OUT.npz SETS...
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.distributed.sharded_reference OUT.npz SETS...
 
 Trains ``train.max_steps`` steps of the tiny config (``--set``-style SETS) with
 ``backends.jax.make_sharded_train_step`` over 2 forced host devices: each device ("rank") takes its

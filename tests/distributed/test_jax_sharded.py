@@ -14,7 +14,7 @@ from .common import ROOT, STEPS, TINY, final_params, subprocess_env, worst_param
 
 def test_sharded_jax_step_equals_single_process_and_torch_ranks(tmp_path, single_jax, two_ranks):
     npz = tmp_path / "sharded.npz"
-    r = subprocess.run([sys.executable, "-m", "tests.dist.sharded_reference", str(npz), *TINY, *STEPS], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tests.distributed.sharded_reference", str(npz), *TINY, *STEPS], cwd=ROOT,
                        env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
