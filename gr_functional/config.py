@@ -172,11 +172,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-
-
-def _section_class(name: str):
-    return {f.name: f.default_factory for f in dataclasses.fields(Config)}[name]().__class__
+# section name -> its dataclass (each field's default_factory is the class itself)
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 
 def _coerce(value: Any, typ, where: str):
@@ -225,7 +222,7 @@ def build_config(values: dict, source: str = "<config>") -> Config:
             raise ConfigError(f"{source}: unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of key = value")
-        cls = _section_class(name)
+        cls = SECTIONS[name]
         hints = _hints(cls)
         kwargs = {}
         for key, value in body.items():

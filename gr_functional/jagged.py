@@ -75,12 +75,6 @@ class Jagged:
     def b_cap(self) -> int:
         return int(self.offsets.shape[0]) - 1
 
-    def with_values(self, values) -> "Jagged":
-        """Same layout, other per-token values (``values.shape[0]`` must equal ``T_cap``)."""
-        if values.shape[0] != self.values.shape[0]:
-            raise JaggedError(f"values has {values.shape[0]} rows, layout has T_cap={self.values.shape[0]}")
-        return dataclasses.replace(self, values=values)
-
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_offsets(cls, values: np.ndarray, offsets: Sequence[int] | np.ndarray, *, max_len: int,
