@@ -63,6 +63,12 @@ class Backend:
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
     # only the sampled rows.
     DENSE_LOGITS_MAX_RATIO = 64
+    # "jagged": hstu_attention runs hstu_attention_tiled when the layout carries a tile plan;
+    # "reference": always the padded oracle. Backends take it as their hstu_kernel option.
+    attention_kernel = "reference"
+    # where arrays created inside ops (aranges) live: None = the library default (JAX places them
+    # with their inputs); torch sets its device, else CUDA ops would meet CPU constants
+    array_device = None
 
     def __init__(self, device: str | None = None, dtype: str = "float32"):
         if dtype not in ("float32", "float64"):
@@ -149,6 +155,11 @@ class Backend:
             views[precision] = view
         return views[precision]
 
+    def memory_profile(self, fn: Callable, *args) -> tuple[int | None, str]:
+        """``(bytes, what)``: the memory ``fn(*args)`` needs beyond its inputs, as this backend can
+        tell (benchmarks). ``what`` names the measure; ``(None, "unavailable")`` where there is none."""
+        return None, "unavailable"
+
     def set_deterministic(self) -> None:
         """Make later kernels deterministic where the library has a switch (torch); a no-op where
         the backend is deterministic already (JAX/XLA on CPU)."""
@@ -157,7 +168,7 @@ class Backend:
     def _ext(self, x):
         """Append one zero row so index ``T_cap`` (an empty cell) gathers zeros."""
         xp = self.xp
-        return xp.concat([x, xp.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype)], axis=0)
+        return xp.concat([x, xp.zeros_like(x[:1])], axis=0)
 
     def token_mask(self, layout: Jagged):
         """``[T]`` float: 1 on real tokens, 0 on padding."""
@@ -203,7 +214,7 @@ class Backend:
         Reference: a one-hot matmul (O(S*T), written on the Array API which has no scatter).
         """
         xp = self.xp
-        seg = xp.arange(num_segments, dtype=segment_ids.dtype)
+        seg = xp.arange(num_segments, dtype=segment_ids.dtype, device=self.array_device)
         onehot = xp.astype(xp.reshape(seg, (-1, 1)) == xp.reshape(segment_ids, (1, -1)), data.dtype)
         flat = xp.reshape(data, (data.shape[0], -1))
         return xp.reshape(xp.matmul(onehot, flat), (num_segments,) + tuple(data.shape[1:]))
@@ -241,8 +252,8 @@ class Backend:
         L = layout.max_len
         bias = None
         if pos_w is not None:
-            i = xp.reshape(xp.arange(L, dtype=xp.int32), (L, 1))
-            j = xp.reshape(xp.arange(L, dtype=xp.int32), (1, L))
+            i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (L, 1))
+            j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, L))
             rel = (norm_len - 1) + j - i
             bias = xp.reshape(self.gather_rows(pos_w, rel), (1, L, L))
         if ts_w is not None:
@@ -250,11 +261,16 @@ class Backend:
             ts_d = self.gather_rows(self._ext(ts), layout.dense_index)          # [B, L]
             q_d = self.gather_rows(self._ext(query_ts), layout.dense_index)     # [B, L]
             gap = xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
-            bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
-            bucket = xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
-            t_bias = self.gather_rows(ts_w, bucket)
+            t_bias = self._time_bias(ts_w, gap)
             bias = t_bias if bias is None else bias + t_bias
         return bias
+
+    def _time_bias(self, ts_w, gap):
+        """``ts_w[bucket(gap)]`` for int32 gaps ``|query_ts - ts| >= 0`` of any shape."""
+        xp = self.xp
+        num_buckets = ts_w.shape[0] - 1
+        bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
+        return self.gather_rows(ts_w, xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32))
 
     def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
         """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
@@ -272,8 +288,16 @@ class Backend:
         q[T, H, dqk], k[T, H, dqk], v[T, H, dv] -> [T, H, dv] (zeros on padding rows):
         ``out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j``, with
         n = ``norm_len`` a fixed normaliser (no softmax, no 1/sqrt(d)) and rab from
-        ``relative_bias``. Reference: padded dense ``[B, H, L, L]``.
+        ``relative_bias``. ``attention_kernel == "jagged"`` and a layout with a tile plan run
+        ``hstu_attention_tiled`` (no padding); otherwise ``hstu_attention_padded``, the oracle.
         """
+        if self.attention_kernel == "jagged" and layout.tiles is not None:
+            return self.hstu_attention_tiled(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+        return self.hstu_attention_padded(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+
+    def hstu_attention_padded(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
+                              query_ts=None):
+        """The reference of ``hstu_attention``: padded dense ``[B, H, L, L]`` scores (L = max_len)."""
         xp = self.xp
         L, Bc = layout.max_len, layout.b_cap
         H = q.shape[1]
@@ -286,8 +310,8 @@ class Backend:
         bias = self.relative_bias(layout, norm_len, pos_w, ts_w, ts, query_ts)
         if bias is not None:
             scores = scores + xp.reshape(bias, (-1, 1, L, L))
-        i = xp.reshape(xp.arange(L, dtype=xp.int32), (1, 1, L, 1))
-        j = xp.reshape(xp.arange(L, dtype=xp.int32), (1, 1, 1, L))
+        i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L, 1))
+        j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, 1, L))
         valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1, 1))
         mask = xp.astype(xp.logical_and(j <= i, valid_j), scores.dtype)
         probs = self.silu(scores) * (mask / norm_len)
@@ -296,6 +320,47 @@ class Backend:
         flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
         rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
         return rows * xp.reshape(xp.astype(real, rows.dtype), (-1, 1, 1))
+
+    def hstu_attention_tiled(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
+                             query_ts=None):
+        """``hstu_attention`` without padding: the block-sparse pairs of ``layout.tiles``.
+
+        Same contract and result as ``hstu_attention``; the work is ``P`` tiles of
+        ``tile x tile`` scores (``P ~ sum_b ceil(L_b/tile)^2 / 2``) instead of ``B * max_len^2``,
+        and autograd keeps ``[P, H, tile, tile]`` probabilities instead of ``[B, H, L, L]``.
+        Needs ``layout.tiles`` (``Jagged.with_tiles``; ``make_batch`` builds it when
+        ``model.attention_tile > 0``).
+        """
+        xp, plan = self.xp, layout.tiles
+        C, nc_cap = plan.tile, plan.nc_cap
+
+        def pairs(x, rows):  # [T, H, d] -> [P, H, C, d]
+            return xp.permute_dims(self.gather_rows(self._ext(x), rows), (0, 2, 1, 3))
+
+        qp, kp, vp = pairs(q, plan.pair_q_rows), pairs(k, plan.pair_k_rows), pairs(v, plan.pair_k_rows)
+        scores = xp.matmul(qp, xp.permute_dims(kp, (0, 1, 3, 2)))                 # [P, H, C, C]
+        pos_ext = self._ext(layout.pos)
+        q_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_q_rows), (-1, C, 1))
+        k_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_k_rows), (-1, 1, C))
+        bias = None
+        if pos_w is not None:
+            bias = self.gather_rows(pos_w, (norm_len - 1) + k_pos - q_pos)       # [P, C, C]
+        if ts_w is not None:
+            q_t = xp.reshape(self.gather_rows(self._ext(query_ts), plan.pair_q_rows), (-1, C, 1))
+            k_t = xp.reshape(self.gather_rows(self._ext(ts), plan.pair_k_rows), (-1, 1, C))
+            t_bias = self._time_bias(ts_w, xp.abs(q_t - k_t))
+            bias = t_bias if bias is None else bias + t_bias
+        if bias is not None:
+            scores = scores + xp.reshape(bias, (-1, 1, C, C))
+        # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
+        # and empty key cells (rows == T_cap) are masked
+        key_real = xp.reshape(plan.pair_k_rows < layout.t_cap, (-1, 1, C))
+        mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype)
+        probs = self.silu(scores) * xp.reshape(mask / norm_len, (-1, 1, C, C))
+        partial = xp.permute_dims(xp.matmul(probs, vp), (0, 2, 1, 3))              # [P, C, H, dv]
+        chunks = self.segment_sum(partial, plan.pair_q, nc_cap + 1)                # [NC+1, C, H, dv]
+        H, dv = partial.shape[2], partial.shape[3]
+        return self.gather_rows(xp.reshape(chunks, ((nc_cap + 1) * C, H, dv)), plan.token_cell)
 
     def hstu_norm_mul(self, av, u, eps: float = 1e-6):
         """``u[T, H*dv] * LayerNorm(av[T, H*dv])`` (norm over all heads together, as GR research)."""

@@ -44,8 +44,13 @@ def _register_dataclasses(tree: Any) -> None:
 class JaxBackend(Backend):
     name = "jax"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32"):
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
+        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``; the padded reference
+        when a layout has no plan) or "reference" (padded dense, the oracle)."""
         super().__init__(device, dtype)
+        if hstu_kernel not in ("jagged", "reference"):
+            raise ValueError(f"backend.hstu_kernel for jax must be 'jagged' or 'reference', got {hstu_kernel!r}")
+        self.attention_kernel = hstu_kernel
         import jax
         import jax.numpy as jnp
 
@@ -76,6 +81,14 @@ class JaxBackend(Backend):
 
     def stop_gradient(self, x):
         return self._jax.lax.stop_gradient(x)
+
+    def memory_profile(self, fn, *args):
+        """XLA's own account of the compiled program: its temporary buffers (activations kept for
+        backward and scratch), excluding arguments and outputs."""
+        stats = self._jax.jit(fn).lower(*args).compile().memory_analysis()
+        if stats is None:
+            return None, "unavailable"
+        return int(stats.temp_size_in_bytes), "xla_temp"
 
     def set_deterministic(self) -> None:
         # XLA on CPU is deterministic. On GPU, --xla_gpu_deterministic_ops must be in XLA_FLAGS

@@ -26,7 +26,7 @@ class NpuBackend(TorchBackend):
         ok, reason = npu_ops.torch_npu_status()
         if not ok:
             raise BackendUnavailable(f"backend 'npu' is unavailable: {reason}")
-        TorchBackend.__init__(self, device or "npu", dtype)
+        TorchBackend.__init__(self, device or "npu", dtype, hstu_kernel="reference")
         self._hstu_attention = None
         if hstu_kernel != "reference":
             try:

@@ -18,9 +18,11 @@ from .base import Backend
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "reference"):
-        """hstu_kernel: "reference" (padded-dense reference attention) or "triton" (the portable
-        Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1)."""
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
+        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``, no padding; the padded
+        reference when a layout has no plan), "reference" (padded dense, the oracle) or "triton"
+        (the portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
+        TRITON_INTERPRET=1)."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -28,8 +30,11 @@ class TorchBackend(Backend):
         self._torch = torch
         self.xp = xp
         self.torch_device = torch.device(device or "cpu")
-        if hstu_kernel not in ("reference", "triton"):
-            raise ValueError(f"hstu_kernel must be 'reference' or 'triton', got {hstu_kernel!r}")
+        self.array_device = self.torch_device
+        if hstu_kernel not in ("jagged", "reference", "triton"):
+            raise ValueError(f"backend.hstu_kernel for torch must be 'jagged', 'reference' or 'triton', "
+                             f"got {hstu_kernel!r}")
+        self.attention_kernel = hstu_kernel
         self._triton_attention = None
         if hstu_kernel == "triton":
             import npu_ops
@@ -68,6 +73,29 @@ class TorchBackend(Backend):
 
     def stop_gradient(self, x):
         return x.detach()
+
+    def memory_profile(self, fn, *args):
+        """CUDA: peak allocated bytes during ``fn`` above those allocated before. CPU (no allocator
+        statistics): bytes of the distinct storages autograd saves for backward, the activation
+        memory that padding inflates."""
+        torch = self._torch
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+            torch.cuda.reset_peak_memory_stats(self.torch_device)
+            base = torch.cuda.memory_allocated(self.torch_device)
+            fn(*args)
+            torch.cuda.synchronize(self.torch_device)
+            return torch.cuda.max_memory_allocated(self.torch_device) - base, "cuda_peak_allocated"
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*args)
+        return sum(storages.values()), "autograd_saved"
 
     def set_deterministic(self) -> None:
         # warn_only: an op without a deterministic kernel warns instead of failing a long run.

@@ -65,13 +65,15 @@ def _relative_times(times: list[np.ndarray]) -> int:
 def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg: ModelConfig, *,
                query_times: Sequence[int] | None = None, rng: np.random.Generator | None = None,
                num_items: int | None = None, train: bool = True, t_cap: int | None = None,
-               b_cap: int | None = None) -> HSTUBatch:
+               b_cap: int | None = None, p_cap: int | None = None, nc_cap: int | None = None) -> HSTUBatch:
     """Build a batch from per-user id sequences and their timestamps (seconds, sorted by time).
 
     train=True: each sequence s (length m >= 2) becomes inputs ``s[:-1]`` predicting ``s[1:]``,
     keeping the most recent ``cfg.max_len`` positions; negatives and dropout masks are drawn from
     ``rng``. train=False: each sequence is a full history (most recent ``max_len`` kept) whose
     last position is scored; ``query_times[b]`` is the time of the held-out item (request time).
+    ``cfg.attention_tile > 0`` adds the jagged attention's tile plan (capacities ``p_cap`` /
+    ``nc_cap``, default from the ladder) to the layout.
     """
     n_items = num_items or cfg.num_items
     inputs, in_ts, q_ts, targets = [], [], [], []
@@ -99,6 +101,8 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
             q_ts.append(np.concatenate([q, [last]]))
     origin = _relative_times(in_ts + q_ts)
     tokens = Jagged.from_sequences(inputs, max_len=cfg.max_len, t_cap=t_cap, b_cap=b_cap)
+    if cfg.attention_tile > 0:
+        tokens = tokens.with_tiles(cfg.attention_tile, p_cap=p_cap, nc_cap=nc_cap)
     if n_items and tokens.values.max(initial=0) > n_items:
         raise JaggedError(f"item id {tokens.values.max()} > num_items={n_items}")
     layout = tokens

@@ -164,7 +164,8 @@ def cmd_data(args) -> int:
     return 0
 
 
-BENCHMARKS = {"balance": "benchmarks.balance", "calibrate": "benchmarks.calibrate",
+BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "throughput": "benchmarks.throughput",
+              "balance": "benchmarks.balance", "calibrate": "benchmarks.calibrate",
               "dist_imbalance": "benchmarks.dist_imbalance"}
 
 
@@ -177,7 +178,11 @@ def cmd_bench(args) -> int:
     run = importlib.import_module(BENCHMARKS[args.name]).run
     kwargs = {"json_lines": args.json}
     params = inspect.signature(run).parameters
-    if "sets" in params:  # benchmarks that launch `grf train` themselves (dist_imbalance)
+    if "backends" in params:  # speed benchmarks: --backend torch,jax picks backends; --set backend.device=cuda
+        backends = args.backend.split(",") if args.backend else None
+        args.backend = None
+        kwargs.update(cfg=_load(args), backends=backends)
+    elif "sets" in params:  # benchmarks that launch `grf train` themselves (dist_imbalance)
         kwargs.update(sets=list(args.set or []), config=args.config or DEFAULT_CONFIG)
     elif "cfg" in params:  # benchmarks of a model config (calibrate)
         kwargs["cfg"] = _load(args)
@@ -232,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.add_argument("--config", help="model config (calibrate; default quickstart)")
-    b.add_argument("--backend", help="backend to measure on (calibrate; default backend.name)")
+    b.add_argument("--backend", help="backend to measure on (calibrate; default backend.name); attention, mfu, "
+                                      "throughput: comma-separated list (default torch,jax)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.set_defaults(fn=cmd_bench)
     return p

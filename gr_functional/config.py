@@ -50,6 +50,10 @@ class ModelConfig:
     num_negatives: int = 128
     ln_eps: float = 1e-6
     l2_eps: float = 1e-6
+    # Chunk length of the jagged attention's tile plan (Jagged.with_tiles), built with every batch;
+    # backends with hstu_kernel "jagged" (the torch/jax default) then skip all padding. Layout
+    # only: results are the same for any value up to float rounding. 0 = no plan (padded attention).
+    attention_tile: int = 64
 
     @property
     def norm_len(self) -> int:

@@ -56,6 +56,7 @@ class Jagged:
       dense_index[B_cap, max_len] int32   row of (b, i), or ``T_cap`` for an empty cell
       last_index[B_cap] int32    row of the last token of b, or ``T_cap`` for an empty slot
       max_len: int (static)      longest allowed sequence; the padded-dense width
+      tiles: TilePlan or None    the chunk/pair plan of the jagged attention kernels (optional)
     """
 
     values: Any
@@ -66,6 +67,12 @@ class Jagged:
     dense_index: Any
     last_index: Any
     max_len: int = static_field()
+    tiles: "TilePlan | None" = None
+
+    def with_tiles(self, tile: int, p_cap: int | None = None, nc_cap: int | None = None) -> "Jagged":
+        """This layout plus the ``TilePlan`` of block-sparse causal attention with ``tile``-token
+        chunks (host only: built in numpy from ``offsets``)."""
+        return dataclasses.replace(self, tiles=TilePlan.build(self, tile, p_cap=p_cap, nc_cap=nc_cap))
 
     @property
     def t_cap(self) -> int:
@@ -157,6 +164,94 @@ class Jagged:
         values = np.asarray(self.values)
         ext = np.concatenate([values, np.full((1,) + values.shape[1:], fill, values.dtype)], axis=0)
         return ext[np.asarray(self.dense_index)]
+
+
+def tile_counts(lengths, tile: int) -> tuple[int, int]:
+    """(chunks, pairs) of the tile plan of sequences with these lengths (capacity planning)."""
+    n = -(-np.asarray(lengths, dtype=np.int64) // tile)
+    return int(n.sum()), int((n * (n + 1) // 2).sum())
+
+
+def tile_capacities(chunks: int, pairs: int) -> tuple[int, int]:
+    """Ladder capacities ``(p_cap, nc_cap)`` that hold a plan of ``chunks`` / ``pairs`` (one
+    padding pair is always kept, see ``TilePlan.build``)."""
+    return round_up_capacity(pairs + 1), round_up_capacity(max(chunks, 1), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """Block-sparse plan of causal attention inside each sequence, without padding to max_len.
+
+    Each sequence is cut into chunks of ``tile`` consecutive tokens (the last one partly empty); a
+    query chunk attends to every earlier-or-equal chunk of its own sequence. One *pair* is one
+    (query chunk, key chunk) tile of ``tile x tile`` scores, so the work and the memory of the
+    attention grow with ``sum_b ceil(L_b / tile)^2 / 2`` tiles, not with ``B * max_len^2``.
+    All shapes are static given (``nc_cap``, ``p_cap``), which come from the capacity ladder.
+
+      pair_q_rows[P_cap, tile] int32  token row of each query cell of pair p (``T_cap`` if empty)
+      pair_k_rows[P_cap, tile] int32  token row of each key cell of pair p (``T_cap`` if empty)
+      pair_q[P_cap] int32             query chunk of pair p, sorted; padding pairs -> ``nc_cap``
+      token_cell[T_cap] int32         ``chunk * tile + offset`` of each token; padding tokens point
+                                      at the dummy chunk ``nc_cap`` (whose output is zero)
+      tile: int (static)              chunk length
+      nc_cap: int (static)            chunk capacity; chunk ``nc_cap`` is the dummy one
+    """
+
+    pair_q_rows: Any
+    pair_k_rows: Any
+    pair_q: Any
+    token_cell: Any
+    tile: int = static_field()
+    nc_cap: int = static_field()
+
+    @classmethod
+    def build(cls, layout: "Jagged", tile: int, p_cap: int | None = None,
+              nc_cap: int | None = None) -> "TilePlan":
+        if tile < 1:
+            raise JaggedError(f"attention tile must be >= 1, got {tile}")
+        offsets = np.asarray(layout.offsets).astype(np.int64)
+        lengths = np.diff(offsets)
+        t_cap = layout.t_cap
+        n_chunks = -(-lengths // tile)                       # ceil(L / tile) per sequence
+        nc = int(n_chunks.sum())
+        # chunk c: its sequence, index inside the sequence, first token row
+        chunk_seq = np.repeat(np.arange(len(lengths)), n_chunks)
+        first_chunk = np.concatenate([[0], np.cumsum(n_chunks)])
+        chunk_in_seq = np.arange(nc) - first_chunk[chunk_seq]
+        chunk_start = offsets[chunk_seq] + chunk_in_seq * tile
+        chunk_end = np.minimum(chunk_start + tile, offsets[chunk_seq + 1])
+        # pairs (q chunk c, k chunk c - d) for d = 0..chunk_in_seq[c]; sorted by q chunk
+        n_pairs_per_q = chunk_in_seq + 1
+        p = int(n_pairs_per_q.sum())
+        pair_q = np.repeat(np.arange(nc), n_pairs_per_q)
+        first_pair = np.concatenate([[0], np.cumsum(n_pairs_per_q)])
+        pair_k = first_chunk[chunk_seq[pair_q]] + (np.arange(p) - first_pair[pair_q])
+        # capacities: the dummy chunk nc_cap and at least one padding pair always exist
+        ladder_p, ladder_nc = tile_capacities(nc, p)
+        p_cap = ladder_p if p_cap is None else p_cap
+        nc_cap = ladder_nc if nc_cap is None else nc_cap
+        if nc_cap < nc or p_cap < p + 1:
+            raise JaggedError(f"tile plan needs nc_cap >= {nc} and p_cap >= {p + 1}, "
+                              f"got {nc_cap} and {p_cap}")
+        cell = np.arange(tile)
+        rows = chunk_start[:, None] + cell[None, :]
+        rows = np.where(rows < chunk_end[:, None], rows, t_cap)                  # [nc, tile]
+        chunk_rows = np.full((nc_cap + 1, tile), t_cap, dtype=np.int64)
+        chunk_rows[:nc] = rows
+        pq = np.full(p_cap, nc_cap, dtype=np.int64)
+        pk = np.full(p_cap, nc_cap, dtype=np.int64)
+        pq[:p], pk[:p] = pair_q, pair_k
+        token_cell = np.full(t_cap, nc_cap * tile, dtype=np.int64)
+        real = rows < t_cap
+        token_cell[rows[real]] = (np.arange(nc)[:, None] * tile + cell[None, :])[real]
+        if (nc_cap + 1) * tile >= _INT32.max:
+            raise JaggedError(f"tile plan of {nc_cap} chunks x {tile} does not fit int32 indices")
+        return cls(chunk_rows[pq].astype(INDEX_DTYPE), chunk_rows[pk].astype(INDEX_DTYPE),
+                   pq.astype(INDEX_DTYPE), token_cell.astype(INDEX_DTYPE), int(tile), int(nc_cap))
+
+    def num_pairs(self) -> int:
+        """Real (non-padding) pairs (host only)."""
+        return int((np.asarray(self.pair_q) < self.nc_cap).sum())
 
 
 def _canonical_dtype(dtype):

@@ -132,7 +132,7 @@ def sampled_softmax_loss(B, user, item_table, targets, negatives, weights, cfg: 
     pos = xp.sum(user * B.gather_rows(items, targets), axis=-1) / cfg.temperature          # [T]
     neg = B.sampled_logits(user, items, negatives) / cfg.temperature                         # [T, R]
     hit = negatives == xp.reshape(targets, (-1, 1))
-    neg = xp.where(hit, xp.full(neg.shape, -5e4, dtype=neg.dtype), neg)
+    neg = xp.where(hit, xp.full_like(neg, -5e4), neg)
     logits = xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1)
     nll = B.logsumexp(logits, axis=1) - pos
     total = xp.sum(weights)

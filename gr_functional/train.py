@@ -119,7 +119,7 @@ def all_finite(B, tree):
     for _, leaf in tree_items(tree):
         leaf_ok = xp.all(xp.isfinite(leaf))
         ok = leaf_ok if ok is None else xp.logical_and(ok, leaf_ok)
-    return xp.asarray(True) if ok is None else ok
+    return B.asarray(True) if ok is None else ok
 
 
 def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config):

@@ -44,3 +44,31 @@ def test_jit_matches_eager(backend):
     x = backend.asarray(np.arange(6, dtype=np.float32))
     f = lambda v: backend.silu(v) * 2.0  # noqa: E731
     np.testing.assert_allclose(backend.to_numpy(backend.jit(f)(x)), backend.to_numpy(f(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["jagged", "reference"])
+def test_torch_ops_create_nothing_off_device(kernel):
+    """Every array an op creates lives on the backend's device (else CUDA/NPU runs fail with
+    "tensors on different devices"). Checked without a GPU on torch's "meta" device, which
+    rejects a CPU operand exactly as CUDA does: a whole train step and the eval scorer."""
+    import dataclasses
+
+    from gr_functional import model
+    from gr_functional.batch import make_batch
+    from gr_functional.config import load_config
+    from gr_functional.train import init_opt_state, make_scorer, make_train_step
+
+    cfg = load_config(None)
+    mc = dataclasses.replace(cfg.model, num_items=100, max_len=40, attention_tile=16)
+    cfg = dataclasses.replace(cfg, model=mc)
+    rng = np.random.default_rng(0)
+    lengths = (5, 40, 17)
+    hist = [rng.integers(1, 101, n + 1) for n in lengths]
+    times = [np.cumsum(rng.integers(1, 100, n + 1)) for n in lengths]
+    B = get_backend("torch", device="meta", hstu_kernel=kernel)
+    params = B.asarray_tree(model.init_params(mc, seed=0))
+    batch = B.asarray_tree(make_batch(hist, times, mc, rng=rng, num_items=100))
+    new_params, _, _ = make_train_step(B, cfg)(params, init_opt_state(B, params, cfg), batch)
+    assert new_params["item_emb"].device.type == "meta"
+    eval_batch = B.asarray_tree(make_batch(hist, times, mc, num_items=100, train=False))
+    assert make_scorer(B, cfg)(params, eval_batch).device.type == "meta"

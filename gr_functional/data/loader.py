@@ -27,7 +27,7 @@ import numpy as np
 from .. import balance
 from ..batch import HSTUBatch, make_batch
 from ..config import ModelConfig
-from ..jagged import Jagged, round_up_capacity
+from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
 from .loaders import DataError
 from .sequences import SequenceData
 from .split import EvalSet
@@ -113,7 +113,9 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
     capacity: "ladder" (``round_up_capacity`` of the tokens, b_cap = sequences: the JAX choice),
     "exact" (t_cap = tokens, b_cap = sequences, at least 1: torch runs exact shapes, and the
     padded-dense reference attention costs b_cap * max_len^2, so no empty slots), or an explicit
-    ``(t_cap, b_cap)`` (equal shapes on every rank, for stacking).
+    ``(t_cap, b_cap)`` (equal shapes on every rank, for stacking). A batch with a tile plan
+    gets one for the slice too, with ladder capacities or, for a 4-tuple
+    ``(t_cap, b_cap, p_cap, nc_cap)``, those.
     """
     L = batch.tokens
     off = np.asarray(L.offsets).astype(np.int64)
@@ -127,11 +129,14 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
     elif capacity == "ladder":
         t_cap, b_cap = round_up_capacity(n), round_up_capacity(n_seq, 1)
     elif isinstance(capacity, tuple):
-        t_cap, b_cap = capacity
+        t_cap, b_cap = capacity[:2]
     else:
         raise ValueError(f"capacity must be one of {CAPACITIES} or (t_cap, b_cap), got {capacity!r}")
     values = np.asarray(L.values)
     tokens = Jagged.from_sequences([values[p] for p in parts], max_len=L.max_len, t_cap=t_cap, b_cap=b_cap)
+    if L.tiles is not None:
+        p_cap, nc_cap = capacity[2:] if isinstance(capacity, tuple) and len(capacity) == 4 else (None, None)
+        tokens = tokens.with_tiles(L.tiles.tile, p_cap=p_cap, nc_cap=nc_cap)
 
     def take(x, axis=0):
         if x is None:
@@ -358,6 +363,11 @@ class TrainLoader:
             tok = np.bincount(assign, weights=self.tokens[self.plan(epoch)[step]], minlength=self.split.world_size)
             counts = np.bincount(assign, minlength=self.split.world_size)
             capacity = (round_up_capacity(int(tok.max())), round_up_capacity(int(counts.max()), 1))
+            if whole.tokens.tiles is not None:
+                lengths = np.asarray(whole.tokens.lengths)[:len(assign)]
+                per_rank = [tile_counts(lengths[assign == r], whole.tokens.tiles.tile)
+                            for r in range(self.split.world_size)]
+                capacity += tile_capacities(max(c for c, _ in per_rank), max(p for _, p in per_rank))
         return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole)
                 for r in range(self.split.world_size)]
 

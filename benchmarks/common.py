@@ -1,0 +1,131 @@
+"""Shared pieces of the speed benchmarks (attention, mfu, throughput): which backends to measure,
+batches of given lengths, timing, and the matmul peak of the same run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+
+import numpy as np
+
+from gr_functional.batch import make_batch
+from gr_functional.tree import tree_leaves
+
+
+def machine() -> dict:
+    """What the figures were measured on (goes into every JSON line)."""
+    import os
+
+    info = {"machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def backends_for(cfg, names=None) -> list:
+    """``[(label, backend)]`` to measure: ``names`` (default torch and jax) on ``backend.device``
+    (default cpu), precision from ``backend.precision``. A backend that cannot start here is
+    reported by ``backend_status`` and skipped."""
+    from backends import backend_status, get_backend
+
+    out = []
+    for name in names or ["torch", "jax"]:
+        ok, reason = backend_status(name)
+        if not ok:
+            print(json.dumps({"skipped_backend": name, "reason": reason}))
+            continue
+        B = get_backend(name, device=cfg.backend.device or None, dtype=cfg.backend.dtype)
+        out.append((name, B.with_precision(cfg.backend.precision)))
+    return out
+
+
+def kernel_variant(B, kernel: str):
+    """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` ("jagged" | "reference")."""
+    import copy
+
+    view = copy.copy(B)
+    view.attention_kernel = kernel
+    return view
+
+
+def device_label(B) -> str:
+    dev = getattr(B, "torch_device", None)
+    if dev is not None:
+        return str(dev)
+    import jax
+
+    return str((B._device or jax.devices()[0]).platform)
+
+
+def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: bool = True):
+    """A numpy training batch of sequences with these input lengths (random ids and times).
+
+    padded=True lays it out as a padded implementation would: every sequence owns ``max_len``
+    rows (t_cap = B * max_len, so the linear layers run on padding too) and no tile plan (the
+    attention is the padded dense one)."""
+    rng = np.random.default_rng(seed)
+    n_items = max(mc.num_items, 1000)
+    lengths = [int(x) for x in lengths]
+    hist = [rng.integers(1, n_items + 1, L + 1) for L in lengths]
+    times = [np.cumsum(rng.integers(1, 3600, L + 1)) for L in lengths]
+    m = dataclasses.replace(mc, num_items=n_items, attention_tile=0 if padded else mc.attention_tile)
+    t_cap = len(lengths) * mc.max_len if padded else None
+    return make_batch(hist, times, m, rng=rng, num_items=n_items, train=train, t_cap=t_cap, b_cap=len(lengths))
+
+
+def block_until_ready(B, tree) -> None:
+    for leaf in tree_leaves(tree):
+        if hasattr(leaf, "shape"):
+            B.to_numpy(leaf)
+
+
+def median_seconds(B, fn, *args, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn(*args)`` (outputs fetched to the host) after ``warmup`` calls
+    (JAX compiles in the first)."""
+    for _ in range(warmup):
+        block_until_ready(B, fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block_until_ready(B, fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def matmul_peak(B, n: int = 4096, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n @ n x n`` product in ``B``'s compute dtype: the peak MFU divides by."""
+    rng = np.random.default_rng(0)
+    a = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), _compute_dtype(B))
+    b = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), _compute_dtype(B))
+    mm = B.jit(lambda x, y: B.xp.matmul(x, y))
+    seconds = median_seconds(B, mm, a, b, repeats=repeats, warmup=2)
+    return 2 * n ** 3 / seconds
+
+
+def _compute_dtype(B) -> str:
+    return getattr(B, "compute_dtype_name", B.dtype_name)
+
+
+def kuairand_lengths(truncation: int) -> np.ndarray:
+    """The 27,285 real KuaiRand-27K sequence lengths truncated at ``truncation``."""
+    from benchmarks.balance import load_user_lengths
+
+    return np.minimum(load_user_lengths(), truncation)
+
+
+def emit(row: dict, json_lines: bool, columns: list[str]) -> None:
+    if json_lines:
+        print(json.dumps(row), flush=True)
+        return
+    cells = []
+    for c in columns:
+        v = row.get(c)
+        cells.append(f"{c}={v:.4g}" if isinstance(v, float) else f"{c}={v}")
+    print("  ".join(cells), flush=True)
