@@ -333,33 +333,36 @@ class Backend:
         """
         xp, plan = self.xp, layout.tiles
         C, nc_cap = plan.tile, plan.nc_cap
+        H, dv = v.shape[1], v.shape[2]
+        P = plan.pair_q.shape[0]
 
-        def pairs(x, rows):  # [T, H, d] -> [P, H, C, d]
-            return xp.permute_dims(self.gather_rows(self._ext(x), rows), (0, 2, 1, 3))
+        def pairs(x, rows):  # [T, H, d] -> [H, P, C, d]: heads first, so each matmul operand is
+            # one contiguous gather (no per-pair transposes before the batched matmuls)
+            heads = xp.permute_dims(self._ext(x), (1, 0, 2))                        # [H, T+1, d]
+            out = xp.take(heads, xp.reshape(rows, (-1,)), axis=1)
+            return xp.reshape(out, (H, P, C, x.shape[2]))
 
         qp, kp, vp = pairs(q, plan.pair_q_rows), pairs(k, plan.pair_k_rows), pairs(v, plan.pair_k_rows)
-        scores = xp.matmul(qp, xp.permute_dims(kp, (0, 1, 3, 2)))                 # [P, H, C, C]
+        scores = xp.matmul(qp, xp.matrix_transpose(kp))                             # [H, P, C, C]
         pos_ext = self._ext(layout.pos)
-        q_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_q_rows), (-1, C, 1))
-        k_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_k_rows), (-1, 1, C))
+        q_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_q_rows), (P, C, 1))
+        k_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_k_rows), (P, 1, C))
         bias = None
         if pos_w is not None:
-            bias = self.gather_rows(pos_w, (norm_len - 1) + k_pos - q_pos)       # [P, C, C]
+            bias = self.gather_rows(pos_w, (norm_len - 1) + k_pos - q_pos)         # [P, C, C]
         if ts_w is not None:
-            q_t = xp.reshape(self.gather_rows(self._ext(query_ts), plan.pair_q_rows), (-1, C, 1))
-            k_t = xp.reshape(self.gather_rows(self._ext(ts), plan.pair_k_rows), (-1, 1, C))
+            q_t = xp.reshape(self.gather_rows(self._ext(query_ts), plan.pair_q_rows), (P, C, 1))
+            k_t = xp.reshape(self.gather_rows(self._ext(ts), plan.pair_k_rows), (P, 1, C))
             t_bias = self._time_bias(ts_w, xp.abs(q_t - k_t))
             bias = t_bias if bias is None else bias + t_bias
         if bias is not None:
-            scores = scores + xp.reshape(bias, (-1, 1, C, C))
+            scores = scores + bias
         # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
         # and empty key cells (rows == T_cap) are masked
-        key_real = xp.reshape(plan.pair_k_rows < layout.t_cap, (-1, 1, C))
-        mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype)
-        probs = self.silu(scores) * xp.reshape(mask / norm_len, (-1, 1, C, C))
-        partial = xp.permute_dims(xp.matmul(probs, vp), (0, 2, 1, 3))              # [P, C, H, dv]
-        chunks = self.segment_sum(partial, plan.pair_q, nc_cap + 1)                # [NC+1, C, H, dv]
-        H, dv = partial.shape[2], partial.shape[3]
+        key_real = xp.reshape(plan.pair_k_rows < layout.t_cap, (P, 1, C))
+        mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype) / norm_len
+        partial = xp.matmul(self.silu(scores) * mask, vp)                          # [H, P, C, dv]
+        chunks = self.segment_sum(xp.permute_dims(partial, (1, 2, 0, 3)), plan.pair_q, nc_cap + 1)
         return self.gather_rows(xp.reshape(chunks, ((nc_cap + 1) * C, H, dv)), plan.token_cell)
 
     def hstu_norm_mul(self, av, u, eps: float = 1e-6):

@@ -48,7 +48,9 @@ class TorchBackend(Backend):
 
     def to_numpy(self, x) -> np.ndarray:
         if isinstance(x, self._torch.Tensor):
-            return x.detach().cpu().numpy()
+            x = x.detach().cpu()
+            # numpy has no bfloat16: widen it (exactly) to float32
+            return (x.float() if x.dtype == self._torch.bfloat16 else x).numpy()
         return np.asarray(x)
 
     def value_and_grad(self, f: Callable, has_aux: bool = False) -> Callable:

@@ -6,7 +6,7 @@ drawn with a fixed seed from the 27,285 real KuaiRand-27K lengths (``benchmarks.
 truncated at T. The layer is ``model.hstu_block`` (D = 256, 4 heads of 64, both relative biases,
 no dropout), differentiated with respect to its parameters and its input.
 
-Variants (each backend):
+In fp32 (``backend.precision`` is not applied here). Variants (each backend):
   padded  every sequence laid out on T rows (t_cap = B T: the projections run on padding too)
           and the padded dense attention ``[B, H, T, T]`` (``hstu_attention_padded``): what a
           padded implementation computes;
@@ -102,7 +102,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, truncations=TRUNCATIO
                 if variant == "padded":
                     base = r
                 row = {"bench": "attention", "backend": label, "device": device_label(B), "variant": variant,
-                       "precision": cfg.backend.precision, "truncation": int(T), "sequences": int(n),
+                       "precision": "fp32", "truncation": int(T), "sequences": int(n),
                        "tokens": int(lengths.sum()), **r,
                        "ideal_attention": ideal["attention_sq"], "ideal_attention_causal": ideal["attention_causal"],
                        "ideal_linear": ideal["linear"], "ideal_layer": ideal_layer_ratio(mc, lengths, T),

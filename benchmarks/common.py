@@ -31,8 +31,8 @@ def machine() -> dict:
 
 def backends_for(cfg, names=None) -> list:
     """``[(label, backend)]`` to measure: ``names`` (default torch and jax) on ``backend.device``
-    (default cpu), precision from ``backend.precision``. A backend that cannot start here is
-    reported by ``backend_status`` and skipped."""
+    (default cpu). A backend that cannot start here is reported by ``backend_status`` and skipped.
+    (Precision is applied by whoever runs the step: ``train`` casts per ``backend.precision``.)"""
     from backends import backend_status, get_backend
 
     out = []
@@ -42,7 +42,7 @@ def backends_for(cfg, names=None) -> list:
             print(json.dumps({"skipped_backend": name, "reason": reason}))
             continue
         B = get_backend(name, device=cfg.backend.device or None, dtype=cfg.backend.dtype)
-        out.append((name, B.with_precision(cfg.backend.precision)))
+        out.append((name, B))
     return out
 
 
@@ -99,18 +99,19 @@ def median_seconds(B, fn, *args, repeats: int = 3, warmup: int = 1) -> float:
     return float(np.median(times))
 
 
-def matmul_peak(B, n: int = 4096, repeats: int = 5) -> float:
-    """FLOP/s of an ``n x n @ n x n`` product in ``B``'s compute dtype: the peak MFU divides by."""
+COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def matmul_peak(B, precision: str = "fp32", n: int = 4096, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n @ n x n`` product in the compute dtype of ``precision``: the peak MFU
+    divides by."""
     rng = np.random.default_rng(0)
-    a = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), _compute_dtype(B))
-    b = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), _compute_dtype(B))
+    dtype = COMPUTE_DTYPE[precision]
+    a = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), dtype)
+    b = B.cast(B.asarray(rng.standard_normal((n, n)).astype(np.float32)), dtype)
     mm = B.jit(lambda x, y: B.xp.matmul(x, y))
     seconds = median_seconds(B, mm, a, b, repeats=repeats, warmup=2)
     return 2 * n ** 3 / seconds
-
-
-def _compute_dtype(B) -> str:
-    return getattr(B, "compute_dtype_name", B.dtype_name)
 
 
 def kuairand_lengths(truncation: int) -> np.ndarray:

@@ -1,0 +1,76 @@
+"""The full training step measured for ``grf bench mfu`` and ``grf bench throughput``.
+
+Configs (``STEP_CONFIGS``):
+  ml1m_hstu, ml1m_hstu_large  the shipped configs on a real ML-1M batch (the first batch of
+                              epoch 0 of the training loader: 128 users, real lengths <= 200);
+                              needs the ML-1M data (GRF_DATA_DIR)
+  kuairand_1k                 a larger model (D = 256, 4 blocks, 4 heads of 64, max_len 1024,
+                              128 negatives, 50,000 items) on 16 sequences drawn from the real
+                              KuaiRand-27K lengths truncated at 1024 (~15.6k tokens)
+
+What is timed: ``train.make_train_step`` (forward, backward, AdamW update; jitted on JAX), the
+median of ``repeats`` steps after one warm-up (JAX compiles in it), each step fed the same batch
+and the previous step's parameters, outputs fetched to the host. Model FLOPs come from
+``gr_functional.flops.train_step_flops`` (causal attention cells, supervised tokens, 3x forward
+for forward + backward, AdamW); the peak is ``common.matmul_peak`` of the same backend, in the
+same dtype, measured in the same run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gr_functional import flops, model
+from gr_functional.config import ModelConfig, load_config
+from gr_functional.tree import tree_leaves
+from gr_functional.train import init_opt_state, make_train_step
+
+from .common import block_until_ready, kuairand_lengths, median_seconds, synthetic_batch
+
+KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_heads=4, dqk=64, dv=64,
+                          max_len=1024, attention_tile=128)
+STEP_CONFIGS = ("ml1m_hstu", "ml1m_hstu_large", "kuairand_1k")
+
+
+def step_setup(name: str, base_cfg):
+    """``(cfg, numpy batch)`` of a benchmark config; backend settings come from ``base_cfg``."""
+    if name == "kuairand_1k":
+        cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
+        lengths = np.random.default_rng(0).choice(kuairand_lengths(1024), size=16, replace=False)
+        return cfg, synthetic_batch(cfg.model, lengths, seed=0)
+    from gr_functional.data import loader, split as split_mod
+    from gr_functional.runner import load_sequences, resolve
+
+    from gr_functional.cli import _config_path
+
+    cfg = load_config(_config_path(name))
+    cfg = dataclasses.replace(cfg, backend=base_cfg.backend)
+    data = load_sequences(cfg)
+    cfg = resolve(cfg, data)
+    splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
+    return cfg, loader.TrainLoader.from_config(splits.train, cfg).batch(0, 0)
+
+
+def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
+    """Seconds per training step and the model FLOPs / tokens of that step."""
+    params = B.asarray_tree(model.init_params(cfg.model, seed=0))
+    opt = init_opt_state(B, params, cfg)
+    batch = B.asarray_tree(batch_np)
+    step = make_train_step(B, cfg)
+    state = {"params": params, "opt": opt}
+
+    def one():
+        state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch)
+        return metrics
+
+    seconds = median_seconds(B, one, repeats=repeats)
+    lengths = np.asarray(batch_np.tokens.lengths)
+    lengths = lengths[lengths > 0]
+    supervised = int(np.asarray(batch_np.weights).sum())
+    n_params = sum(int(np.prod(np.shape(x))) for x in tree_leaves(params))
+    fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params)
+    block_until_ready(B, state["params"])
+    return {"seconds": seconds, "tokens": int(lengths.sum()), "sequences": int(len(lengths)),
+            "model_flops": int(fl["total"]), "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"},
+            "params": n_params}
