@@ -329,37 +329,41 @@ class Backend:
         ``tile x tile`` scores (``P ~ sum_b ceil(L_b/tile)^2 / 2``) instead of ``B * max_len^2``,
         and autograd keeps ``[P, H, tile, tile]`` probabilities instead of ``[B, H, L, L]``.
         Needs ``layout.tiles`` (``Jagged.with_tiles``; ``make_batch`` builds it when
-        ``model.attention_tile > 0``).
+        ``model.attention_tile != 0``).
         """
         xp, plan = self.xp, layout.tiles
         C, nc_cap = plan.tile, plan.nc_cap
         H, dv = v.shape[1], v.shape[2]
         P = plan.pair_q.shape[0]
 
-        def pairs(x, rows):  # [T, H, d] -> [H, P, C, d]: heads first, so each matmul operand is
-            # one contiguous gather (no per-pair transposes before the batched matmuls)
+        # chunk-level gathers once, then whole-chunk blocks per pair: the index ops (and their
+        # backward scatter-adds) move tile*d contiguous values per index instead of d
+        def per_pair(x, pair):  # [T, H, d] -> [H, P, C, d], heads first: no per-pair transposes
             heads = xp.permute_dims(self._ext(x), (1, 0, 2))                        # [H, T+1, d]
-            out = xp.take(heads, xp.reshape(rows, (-1,)), axis=1)
-            return xp.reshape(out, (H, P, C, x.shape[2]))
+            chunks = xp.take(heads, xp.reshape(plan.chunk_rows, (-1,)), axis=1)
+            chunks = xp.reshape(chunks, (H, nc_cap + 1, C, x.shape[2]))
+            return xp.take(chunks, pair, axis=1)
 
-        qp, kp, vp = pairs(q, plan.pair_q_rows), pairs(k, plan.pair_k_rows), pairs(v, plan.pair_k_rows)
+        def cells(x, pair):  # per-token [T] -> per-pair cells [P, C]
+            return xp.take(self.gather_rows(self._ext(x), plan.chunk_rows), pair, axis=0)
+
+        qp, kp, vp = per_pair(q, plan.pair_q), per_pair(k, plan.pair_k), per_pair(v, plan.pair_k)
         scores = xp.matmul(qp, xp.matrix_transpose(kp))                             # [H, P, C, C]
-        pos_ext = self._ext(layout.pos)
-        q_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_q_rows), (P, C, 1))
-        k_pos = xp.reshape(self.gather_rows(pos_ext, plan.pair_k_rows), (P, 1, C))
+        q_pos = xp.reshape(cells(layout.pos, plan.pair_q), (P, C, 1))
+        k_pos = xp.reshape(cells(layout.pos, plan.pair_k), (P, 1, C))
         bias = None
         if pos_w is not None:
             bias = self.gather_rows(pos_w, (norm_len - 1) + k_pos - q_pos)         # [P, C, C]
         if ts_w is not None:
-            q_t = xp.reshape(self.gather_rows(self._ext(query_ts), plan.pair_q_rows), (P, C, 1))
-            k_t = xp.reshape(self.gather_rows(self._ext(ts), plan.pair_k_rows), (P, 1, C))
+            q_t = xp.reshape(cells(query_ts, plan.pair_q), (P, C, 1))
+            k_t = xp.reshape(cells(ts, plan.pair_k), (P, 1, C))
             t_bias = self._time_bias(ts_w, xp.abs(q_t - k_t))
             bias = t_bias if bias is None else bias + t_bias
         if bias is not None:
             scores = scores + bias
         # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
         # and empty key cells (rows == T_cap) are masked
-        key_real = xp.reshape(plan.pair_k_rows < layout.t_cap, (P, 1, C))
+        key_real = xp.reshape(xp.take(plan.chunk_rows, plan.pair_k, axis=0) < layout.t_cap, (P, 1, C))
         mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype) / norm_len
         partial = xp.matmul(self.silu(scores) * mask, vp)                          # [H, P, C, dv]
         chunks = self.segment_sum(xp.permute_dims(partial, (1, 2, 0, 3)), plan.pair_q, nc_cap + 1)

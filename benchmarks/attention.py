@@ -10,7 +10,7 @@ In fp32 (``backend.precision`` is not applied here). Variants (each backend):
   padded  every sequence laid out on T rows (t_cap = B T: the projections run on padding too)
           and the padded dense attention ``[B, H, T, T]`` (``hstu_attention_padded``): what a
           padded implementation computes;
-  jagged  rows for real tokens only and the block-sparse tiled attention (``attention_tile`` 64);
+  jagged  rows for real tokens only and the block-sparse tiled attention (auto tile: 32, 128, 256);
   triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops.
 
 Fields: seconds (median of 3 after a warm-up/compile), memory_bytes with memory_kind
@@ -35,7 +35,7 @@ from .common import (backends_for, device_label, emit, kernel_variant, kuairand_
 TRUNCATIONS = (256, 1024, 4096)
 TOKEN_BUDGET = 16384
 LAYER = ModelConfig(embed_dim=256, num_heads=4, dqk=64, dv=64, num_blocks=1, input_dropout=0.0,
-                    linear_dropout=0.0, num_negatives=1, attention_tile=64)
+                    linear_dropout=0.0, num_negatives=1)
 COLUMNS = ["backend", "device", "variant", "truncation", "sequences", "tokens", "seconds", "memory_bytes",
            "ideal_layer", "speedup", "memory_ratio"]
 

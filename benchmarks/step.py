@@ -29,7 +29,7 @@ from gr_functional.train import init_opt_state, make_train_step
 from .common import block_until_ready, kuairand_lengths, median_seconds, synthetic_batch
 
 KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_heads=4, dqk=64, dv=64,
-                          max_len=1024, attention_tile=128)
+                          max_len=1024)
 STEP_CONFIGS = ("ml1m_hstu", "ml1m_hstu_large", "kuairand_1k")
 
 

@@ -72,7 +72,7 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
     keeping the most recent ``cfg.max_len`` positions; negatives and dropout masks are drawn from
     ``rng``. train=False: each sequence is a full history (most recent ``max_len`` kept) whose
     last position is scored; ``query_times[b]`` is the time of the held-out item (request time).
-    ``cfg.attention_tile > 0`` adds the jagged attention's tile plan (capacities ``p_cap`` /
+    ``cfg.tile > 0`` (``model.attention_tile``) adds the jagged attention's tile plan (capacities ``p_cap`` /
     ``nc_cap``, default from the ladder) to the layout.
     """
     n_items = num_items or cfg.num_items
@@ -101,8 +101,8 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
             q_ts.append(np.concatenate([q, [last]]))
     origin = _relative_times(in_ts + q_ts)
     tokens = Jagged.from_sequences(inputs, max_len=cfg.max_len, t_cap=t_cap, b_cap=b_cap)
-    if cfg.attention_tile > 0:
-        tokens = tokens.with_tiles(cfg.attention_tile, p_cap=p_cap, nc_cap=nc_cap)
+    if cfg.tile > 0:
+        tokens = tokens.with_tiles(cfg.tile, p_cap=p_cap, nc_cap=nc_cap)
     if n_items and tokens.values.max(initial=0) > n_items:
         raise JaggedError(f"item id {tokens.values.max()} > num_items={n_items}")
     layout = tokens

@@ -52,13 +52,22 @@ class ModelConfig:
     l2_eps: float = 1e-6
     # Chunk length of the jagged attention's tile plan (Jagged.with_tiles), built with every batch;
     # backends with hstu_kernel "jagged" (the torch/jax default) then skip all padding. Layout
-    # only: results are the same for any value up to float rounding. 0 = no plan (padded attention).
-    attention_tile: int = 64
+    # only: results are the same for any value up to float rounding. 0 = no plan (padded
+    # attention); -1 = auto (``tile``: ~8 chunks per full-length sequence, measured fastest on CPU).
+    attention_tile: int = -1
 
     @property
     def norm_len(self) -> int:
         """The fixed attention normaliser n (GR: padded length max_len + max_output_len)."""
         return self.max_len + self.max_output_len
+
+    @property
+    def tile(self) -> int:
+        """The resolved ``attention_tile``: auto is max_len / 8 rounded up to a power of two, in
+        [32, 256] (ML-1M, max_len 200: 32; length 1024: 128)."""
+        if self.attention_tile >= 0:
+            return self.attention_tile
+        return min(256, max(32, 1 << max(0, (self.max_len - 1) // 8).bit_length()))
 
     @property
     def uvqk_splits(self) -> tuple[int, int, int, int]:

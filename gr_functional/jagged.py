@@ -188,18 +188,19 @@ class TilePlan:
     attention grow with ``sum_b ceil(L_b / tile)^2 / 2`` tiles, not with ``B * max_len^2``.
     All shapes are static given (``nc_cap``, ``p_cap``), which come from the capacity ladder.
 
-      pair_q_rows[P_cap, tile] int32  token row of each query cell of pair p (``T_cap`` if empty)
-      pair_k_rows[P_cap, tile] int32  token row of each key cell of pair p (``T_cap`` if empty)
+      chunk_rows[nc_cap+1, tile] int32  token row of each cell of chunk c (``T_cap`` if empty);
+                                        the last chunk, ``nc_cap``, is the dummy (all empty)
       pair_q[P_cap] int32             query chunk of pair p, sorted; padding pairs -> ``nc_cap``
+      pair_k[P_cap] int32             key chunk of pair p; padding pairs -> ``nc_cap``
       token_cell[T_cap] int32         ``chunk * tile + offset`` of each token; padding tokens point
                                       at the dummy chunk ``nc_cap`` (whose output is zero)
       tile: int (static)              chunk length
       nc_cap: int (static)            chunk capacity; chunk ``nc_cap`` is the dummy one
     """
 
-    pair_q_rows: Any
-    pair_k_rows: Any
+    chunk_rows: Any
     pair_q: Any
+    pair_k: Any
     token_cell: Any
     tile: int = static_field()
     nc_cap: int = static_field()
@@ -246,8 +247,8 @@ class TilePlan:
         token_cell[rows[real]] = (np.arange(nc)[:, None] * tile + cell[None, :])[real]
         if (nc_cap + 1) * tile >= _INT32.max:
             raise JaggedError(f"tile plan of {nc_cap} chunks x {tile} does not fit int32 indices")
-        return cls(chunk_rows[pq].astype(INDEX_DTYPE), chunk_rows[pk].astype(INDEX_DTYPE),
-                   pq.astype(INDEX_DTYPE), token_cell.astype(INDEX_DTYPE), int(tile), int(nc_cap))
+        return cls(chunk_rows.astype(INDEX_DTYPE), pq.astype(INDEX_DTYPE), pk.astype(INDEX_DTYPE),
+                   token_cell.astype(INDEX_DTYPE), int(tile), int(nc_cap))
 
     def num_pairs(self) -> int:
         """Real (non-padding) pairs (host only)."""
