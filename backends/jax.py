@@ -90,14 +90,14 @@ class JaxBackend(Backend):
             return None, "unavailable"
         return int(stats.temp_size_in_bytes), "xla_temp"
 
-    def set_deterministic(self) -> None:
+    def set_deterministic(self, mode: str = "on") -> None:
         # XLA on CPU is deterministic. On GPU, --xla_gpu_deterministic_ops must be in XLA_FLAGS
         # before JAX starts its backend, which is too late here: say so instead of pretending.
         import os
         import warnings
 
         platform = (self._device or self._jax.devices()[0]).platform
-        if platform == "gpu" and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        if mode == "on" and platform == "gpu" and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
             warnings.warn("backend.deterministic on a JAX GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                           "set before Python starts; results may differ run to run")
 

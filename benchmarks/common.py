@@ -71,7 +71,7 @@ def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: 
     rows (t_cap = B * max_len, so the linear layers run on padding too) and no tile plan (the
     attention is the padded dense one)."""
     rng = np.random.default_rng(seed)
-    n_items = max(mc.num_items, 1000)
+    n_items = mc.num_items or 1000
     lengths = [int(x) for x in lengths]
     hist = [rng.integers(1, n_items + 1, L + 1) for L in lengths]
     times = [np.cumsum(rng.integers(1, 3600, L + 1)) for L in lengths]

@@ -16,14 +16,15 @@ from .step import STEP_CONFIGS, measure_step, step_setup
 COLUMNS = ["backend", "device", "config", "precision", "tokens", "seconds", "achieved_flops", "peak_flops", "mfu"]
 
 
-def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, repeats: int = 3) -> list[dict]:
+def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, repeats: int = 3,
+        peak_n: int = 4096) -> list[dict]:
     from gr_functional.config import load_config
 
     cfg = cfg or load_config(None)
     rows, host = [], machine()
     setups = {name: step_setup(name, cfg) for name in configs}
     for label, B in backends_for(cfg, backends):
-        peak = matmul_peak(B, cfg.backend.precision)
+        peak = matmul_peak(B, cfg.backend.precision, n=peak_n)
         for name, (step_cfg, batch) in setups.items():
             r = measure_step(B, step_cfg, batch, repeats=repeats)
             achieved = r["model_flops"] / r["seconds"]

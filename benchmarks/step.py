@@ -37,7 +37,7 @@ def step_setup(name: str, base_cfg):
     """``(cfg, numpy batch)`` of a benchmark config; backend settings come from ``base_cfg``."""
     if name == "kuairand_1k":
         cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
-        lengths = np.random.default_rng(0).choice(kuairand_lengths(1024), size=16, replace=False)
+        lengths = np.random.default_rng(0).choice(kuairand_lengths(cfg.model.max_len), size=16, replace=False)
         return cfg, synthetic_batch(cfg.model, lengths, seed=0)
     from gr_functional.data import loader, split as split_mod
     from gr_functional.runner import load_sequences, resolve

@@ -61,6 +61,7 @@ class DistributedError(RuntimeError):
 
 
 DIST_BACKENDS = ("gloo", "nccl", "hccl")
+DETERMINISTIC_MODES = ("auto", "on", "off")
 DIST_BALANCE = ("none", "kk", "lookahead")   # data.loader.DIST_BALANCE (not imported here: lazy data imports)
 DIST_TORCH_BACKENDS = ("torch", "npu")
 
@@ -119,6 +120,9 @@ def validate(cfg: Config) -> None:
     t, b = cfg.train, cfg.backend
     if b.precision not in PRECISIONS:
         raise ConfigError(f"backend.precision={b.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if b.deterministic not in DETERMINISTIC_MODES:
+        raise ConfigError(f"backend.deterministic={b.deterministic!r} is not one of "
+                          f"{', '.join(DETERMINISTIC_MODES)} (true/false also accepted)")
     checks = [("train.accumulate", t.accumulate, 1), ("train.keep_checkpoints", t.keep_checkpoints, 0),
               ("train.checkpoint_every", t.checkpoint_every, 0), ("train.max_bad_steps", t.max_bad_steps, 0),
               ("train.log_every", t.log_every, 1), ("train.eval_every", t.eval_every, 1),
@@ -154,8 +158,7 @@ def make_backend(cfg: Config, device: str | None = None):
     if cfg.backend.hstu_kernel != "default":
         options["hstu_kernel"] = cfg.backend.hstu_kernel
     B = get_backend(cfg.backend.name, **options)
-    if cfg.backend.deterministic:
-        B.set_deterministic()
+    B.set_deterministic(cfg.backend.deterministic)
     return B
 
 
@@ -185,14 +188,17 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
 # and backend precision/dtype changes are allowed with a warning.
 _MATCH_SECTIONS = ("data", "model")
 _MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
+# model.attention_tile only lays out the attention's work (same results up to float rounding)
 _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
-                                                                                ("backend", "dtype")]
+                                                                                ("backend", "dtype"),
+                                                                                ("model", "attention_tile")]
 
 
 def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
     """``(errors, notes)``: keys that forbid resuming ``saved`` under ``now``, and allowed changes."""
     errors, notes = [], []
-    keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))]
+    keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))
+            if (s, f.name) not in _NOTE_KEYS]
     keys += [("train", k) for k in _MATCH_TRAIN]
     for section, key in keys:
         a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)

@@ -85,3 +85,51 @@ def test_torch_container():
 
     j = get_backend("torch").asarray_tree(Jagged.from_sequences([np.array([1, 2])], max_len=4))
     assert isinstance(j.values, torch.Tensor) and j.values.dtype == torch.int32 and j.max_len == 4
+
+
+# ------------------------------------------------------------------ tile plans
+@pytest.mark.parametrize("lengths,tile", [([5, 1, 0, 17, 40], 4), ([12, 12], 12), ([3], 8), ([], 4), ([0, 0], 2)])
+def test_tile_plan_covers_each_causal_pair_once(lengths, tile):
+    from gr_functional.jagged import tile_counts
+
+    lay = Jagged.from_sequences([np.arange(1, n + 1) for n in lengths], max_len=40).with_tiles(tile)
+    plan = lay.tiles
+    chunks, pairs = tile_counts(lengths, tile)
+    pq, pk = np.asarray(plan.pair_q), np.asarray(plan.pair_k)
+    assert (pq < plan.nc_cap).sum() == pairs and (pq == plan.nc_cap).sum() >= 1
+    assert (np.diff(pq) >= 0).all()                                # sorted for segment sums
+    rows = np.asarray(plan.chunk_rows)
+    assert (rows[plan.nc_cap] == lay.t_cap).all()                  # the dummy chunk is empty
+    # every causal (i, j) of every sequence appears in exactly one pair
+    seen = {}
+    for q, k in zip(pq[:pairs], pk[:pairs]):
+        for i in rows[q][rows[q] < lay.t_cap]:
+            for j in rows[k][rows[k] < lay.t_cap]:
+                if j <= i:
+                    seen[(i, j)] = seen.get((i, j), 0) + 1
+    want = {(o + a, o + b) for o, n in zip(np.concatenate([[0], np.cumsum(lengths)]), lengths)
+            for a in range(n) for b in range(a + 1)}
+    assert set(seen) == want and set(seen.values()) <= {1}
+    # token_cell inverts chunk_rows
+    flat = rows.reshape(-1)
+    cell = np.asarray(plan.token_cell)
+    assert (flat[cell[: lay.num_tokens()]] == np.arange(lay.num_tokens())).all()
+    assert (cell[lay.num_tokens():] // tile == plan.nc_cap).all()
+
+
+def test_tile_plan_explicit_capacities_and_errors():
+    lay = Jagged.from_sequences([np.arange(1, 9)], max_len=8)
+    plan = lay.with_tiles(4, p_cap=16, nc_cap=6).tiles
+    assert plan.pair_q.shape == (16,) and plan.chunk_rows.shape == (7, 4) and plan.nc_cap == 6
+    with pytest.raises(JaggedError, match="p_cap >= 4"):
+        lay.with_tiles(4, p_cap=3)
+    with pytest.raises(JaggedError, match="tile must be >= 1"):
+        lay.with_tiles(0)
+
+
+def test_auto_tile():
+    from gr_functional.config import ModelConfig
+
+    assert [ModelConfig(max_len=n).tile for n in (50, 200, 1024, 4096)] == [32, 32, 128, 256]
+    assert ModelConfig(max_len=200, attention_tile=0).tile == 0
+    assert ModelConfig(max_len=200, attention_tile=48).tile == 48

@@ -45,5 +45,18 @@ def test_global_rngs_do_not_matter():
 def test_deterministic_mode_switch():
     from gr_functional.runner import make_backend
 
-    make_backend(Config())                      # backend.deterministic defaults to true
+    from gr_functional.config import load_config
+
+    make_backend(Config())                      # backend.deterministic "auto": on, on CPU
+    assert torch.are_deterministic_algorithms_enabled()
+    make_backend(load_config(None, ["backend.deterministic=false"]))   # TOML booleans -> "off"
+    assert not torch.are_deterministic_algorithms_enabled()
+    make_backend(load_config(None, ["backend.deterministic=true"]))
+    assert torch.are_deterministic_algorithms_enabled()
+    # "auto" leaves accelerators non-deterministic (meta stands in for a CUDA device here)
+    from backends import get_backend
+
+    get_backend("torch", device="meta").set_deterministic("auto")
+    assert not torch.are_deterministic_algorithms_enabled()
+    get_backend("torch").set_deterministic("auto")
     assert torch.are_deterministic_algorithms_enabled()

@@ -5,12 +5,13 @@ the compute dtype, LayerNorm/L2-norm statistics and the loss's logsumexp run in 
 come back in fp32. Tolerances (relative, ``rel_err`` = max|a - ref| / max|ref| per tensor; worst
 measured over the layout cases and two seeds on CPU in parentheses):
 
-  bf16: loss 1e-2 (2.8e-3), every gradient leaf 0.2 (0.11), gradient cosine >= 0.999
-  fp16: loss 3e-3 (7.9e-4), every gradient leaf 2e-2 (3.1e-3), gradient cosine >= 0.9999
+  bf16: loss 1e-2 (2.8e-3), every gradient leaf 0.1 (3.4e-2), gradient cosine >= 0.999
+  fp16: loss 3e-3 (7.9e-4), every gradient leaf 2e-2 (8.4e-3), gradient cosine >= 0.9999
   20-step trajectory, mean loss of the last 5 steps vs fp32: 5e-2 (both)
 
 bf16 keeps 8 mantissa bits (relative spacing 2^-8 = 0.4%), so percent-level gradient error on
-small leaves (the time-bias table) is what it costs, not a bug; fp16 keeps 11 bits.
+small leaves (the time-bias table) is what it costs, not a bug; fp16 keeps 11 bits. (Before the
+gathers' gradients accumulated in fp32, ``MixedPrecisionOps.gather_rows``, the bf16 worst was 0.11.)
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from gr_functional.tree import tree_items
 from ..differential.common import rel_err
 from ..differential.test_model import BATCH_CASES, CFG
 
-TOL = {"bf16": {"loss": 1e-2, "grad": 0.2, "cos": 0.999},
+TOL = {"bf16": {"loss": 1e-2, "grad": 0.1, "cos": 0.999},
        "fp16": {"loss": 3e-3, "grad": 2e-2, "cos": 0.9999}}
 TRAJ_TOL = 5e-2
 

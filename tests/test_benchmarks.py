@@ -1,0 +1,49 @@
+"""The speed benchmarks run end to end and print well-formed JSON lines (tiny sizes: speed goals
+live in the benchmarks themselves, never in tests)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from benchmarks import attention, mfu, step, throughput
+from gr_functional.config import load_config
+
+
+def _lines(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def test_attention_bench_json(capsys):
+    rows = attention.run(json_lines=True, truncations=(64,), token_budget=512, repeats=1)
+    printed = _lines(capsys)
+    assert printed == json.loads(json.dumps(rows))
+    assert {(r["backend"], r["variant"]) for r in printed} == {(b, v) for b in ("torch", "jax")
+                                                               for v in ("padded", "jagged")}
+    for r in printed:
+        assert r["seconds"] > 0 and r["memory_bytes"] > 0 and r["sequences"] == 8
+        assert r["ideal_layer"] >= 1.0 and r["speedup"] > 0
+        if r["variant"] == "padded":
+            assert r["speedup"] == 1.0 and r["memory_ratio"] == 1.0
+
+
+@pytest.fixture
+def small_step_config(monkeypatch):
+    monkeypatch.setattr(step, "KUAIRAND_1K", dataclasses.replace(
+        step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64,
+        num_negatives=8))
+
+
+def test_mfu_and_throughput_bench_json(capsys, small_step_config):
+    cfg = load_config(None)
+    mfu.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), repeats=1, peak_n=512)
+    rows = _lines(capsys)
+    assert [r["backend"] for r in rows] == ["torch", "jax"]
+    for r in rows:
+        assert r["mfu"] > 0 and r["peak_flops"] > 0 and r["model_flops"] > 0
+        assert r["model_flops"] == sum(r["flops_parts"].values())
+    throughput.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), repeats=1)
+    rows = _lines(capsys)
+    assert len(rows) == 4 and max(r["vs_fastest"] for r in rows) == 1.0
+    assert all(r["tokens_per_s"] > 0 for r in rows)
