@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend
-from .npu import BackendUnavailable
+from .base import Backend, BackendUnavailable
 
 _REGISTRY = {
     "jax": ("backends.jax", "JaxBackend"),

@@ -48,6 +48,10 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _MIXED_CLASSES: dict[type, type] = {}
 
 
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why and how to fix it."""
+
+
 class Backend:
     """Base class: reference kernel ops on ``self.xp``; subclasses supply the transforms.
 
@@ -104,6 +108,14 @@ class Backend:
     def stop_gradient(self, x):
         raise NotImplementedError
 
+    def block_until_ready(self, tree) -> None:
+        """Wait until every array of ``tree`` is computed (timings; asynchronous devices)."""
+        from gr_functional.tree import tree_leaves
+
+        for leaf in tree_leaves(tree):
+            if hasattr(leaf, "shape"):
+                self.to_numpy(leaf)
+
     def asarray_tree(self, tree: Any) -> Any:
         """numpy tree -> backend tree; floating leaves take the backend dtype, integers stay int32."""
         def conv(leaf):
@@ -156,8 +168,9 @@ class Backend:
         return views[precision]
 
     def memory_profile(self, fn: Callable, *args) -> tuple[int | None, str]:
-        """``(bytes, what)``: the memory ``fn(*args)`` needs beyond its inputs, as this backend can
-        tell (benchmarks). ``what`` names the measure; ``(None, "unavailable")`` where there is none."""
+        """``(bytes, what)``: the memory of running ``fn(*args)``, as this backend can tell
+        (benchmarks); ``what`` names the measure (each backend's docstring says what it counts);
+        ``(None, "unavailable")`` where there is none."""
         return None, "unavailable"
 
     def set_deterministic(self, mode: str = "on") -> None:
@@ -166,10 +179,17 @@ class Backend:
         (on where it is cheap: CPU; off on accelerators)."""
 
     # ------------------------------------------------------------------ small helpers
+    def _dtype_name_of(self, x) -> str:
+        xp = self.xp
+        for name in ("float32", "bfloat16", "float16", "float64"):
+            if x.dtype == getattr(xp, name):
+                return name
+        raise TypeError(f"not a float array: {x.dtype}")
+
     def _ext(self, x):
         """Append one zero row so index ``T_cap`` (an empty cell) gathers zeros."""
         xp = self.xp
-        return xp.concat([x, xp.zeros_like(x[:1])], axis=0)
+        return xp.concat([x, xp.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.array_device)], axis=0)
 
     def token_mask(self, layout: Jagged):
         """``[T]`` float: 1 on real tokens, 0 on padding."""
@@ -208,6 +228,11 @@ class Backend:
         flat = xp.reshape(idx, (-1,))
         out = xp.take(table, flat, axis=0)
         return xp.reshape(out, tuple(idx.shape) + tuple(table.shape[1:]))
+
+    def gather_table(self, table, idx):
+        """``gather_rows`` of a parameter table (embeddings, relative-bias tables): the same rows;
+        precision views gather them from the fp32 copy (``MixedPrecisionOps``)."""
+        return self.gather_rows(table, idx)
 
     def segment_sum(self, data, segment_ids, num_segments: int):
         """``out[s] = sum(data[t] for t with segment_ids[t] == s)``; ids outside [0, S) are dropped.
@@ -256,7 +281,7 @@ class Backend:
             i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (L, 1))
             j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, L))
             rel = (norm_len - 1) + j - i
-            bias = xp.reshape(self.gather_rows(pos_w, rel), (1, L, L))
+            bias = xp.reshape(self.gather_table(pos_w, rel), (1, L, L))
         if ts_w is not None:
             num_buckets = ts_w.shape[0] - 1
             ts_d = self.gather_rows(self._ext(ts), layout.dense_index)          # [B, L]
@@ -271,7 +296,7 @@ class Backend:
         xp = self.xp
         num_buckets = ts_w.shape[0] - 1
         bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
-        return self.gather_rows(ts_w, xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32))
+        return self.gather_table(ts_w, xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32))
 
     def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
         """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
@@ -354,7 +379,7 @@ class Backend:
         k_pos = xp.reshape(cells(layout.pos, plan.pair_k), (P, 1, C))
         bias = None
         if pos_w is not None:
-            bias = self.gather_rows(pos_w, (norm_len - 1) + k_pos - q_pos)         # [P, C, C]
+            bias = self.gather_table(pos_w, (norm_len - 1) + k_pos - q_pos)        # [P, C, C]
         if ts_w is not None:
             q_t = xp.reshape(cells(query_ts, plan.pair_q), (P, C, 1))
             k_t = xp.reshape(cells(ts, plan.pair_k), (P, 1, C))
@@ -367,7 +392,10 @@ class Backend:
         key_real = xp.reshape(xp.take(plan.chunk_rows, plan.pair_k, axis=0) < layout.t_cap, (P, 1, C))
         mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype) / norm_len
         partial = xp.matmul(self.silu(scores) * mask, vp)                          # [H, P, C, dv]
-        chunks = self.segment_sum(xp.permute_dims(partial, (1, 2, 0, 3)), plan.pair_q, nc_cap + 1)
+        # the tiles of one query chunk are summed in fp32 (in bf16/fp16 a scatter-add would round
+        # at every tile; the padded reference sums inside one matmul)
+        partial = self.cast(xp.permute_dims(partial, (1, 2, 0, 3)), "float32")     # [P, C, H, dv]
+        chunks = self.cast(self.segment_sum(partial, plan.pair_q, nc_cap + 1), self._dtype_name_of(v))
         return self.gather_rows(xp.reshape(chunks, ((nc_cap + 1) * C, H, dv)), plan.token_cell)
 
     def hstu_norm_mul(self, av, u, eps: float = 1e-6):
@@ -382,7 +410,7 @@ class MixedPrecisionOps:
     runs there. Four reductions run in fp32 and cast back, because low-precision accumulation
     would cost more accuracy than it saves time: LayerNorm statistics, L2 norms (both return the
     compute dtype), ``logsumexp`` (returns fp32: it is the loss, which stays fp32) and the
-    scatter-add behind a float table gather's gradient (``gather_rows`` reads the fp32 copy).
+    scatter-add behind a parameter table's gather gradient (``gather_table`` reads the fp32 copy).
     """
 
     compute_dtype_name: str = "bfloat16"
@@ -404,13 +432,10 @@ class MixedPrecisionOps:
     def logsumexp(self, x, axis: int = -1):
         return super().logsumexp(self.cast(x, "float32"), axis=axis)
 
-    def gather_rows(self, table, idx):
-        # Rows of a float table are gathered from its fp32 copy, so the backward scatter-add (the
+    def gather_table(self, table, idx):
+        # Parameter tables are gathered from their fp32 copy, so the backward scatter-add (the
         # embedding and relative-bias gradients: millions of cells into a few hundred rows)
         # accumulates in fp32: more exact (bf16 worst gradient 0.11 -> 0.034), and on GPUs free of
         # bf16 compare-and-swap atomics (suspected cause of a JAX bf16 ML-1M epoch taking 149 s on
-        # an H100 against 3-7 s in fp32; not re-measured).
-        xp = self.xp
-        if xp.isdtype(table.dtype, "real floating") and table.dtype != xp.float32:
-            return self.cast(super().gather_rows(self.cast(table, "float32"), idx), self.compute_dtype_name)
-        return super().gather_rows(table, idx)
+        # an H100 against 3-7 s in fp32; not re-measured). Activations keep gather_rows.
+        return self.cast(super().gather_table(self.cast(table, "float32"), idx), self.compute_dtype_name)

@@ -82,6 +82,9 @@ class JaxBackend(Backend):
     def stop_gradient(self, x):
         return self._jax.lax.stop_gradient(x)
 
+    def block_until_ready(self, tree) -> None:
+        self._jax.block_until_ready(tree)
+
     def memory_profile(self, fn, *args):
         """XLA's own account of the compiled program: its temporary buffers (activations kept for
         backward and scratch), excluding arguments and outputs."""
@@ -118,9 +121,15 @@ def stack_rank_batches(rank_batches: list) -> Any:
     capacity="common")``) -> one HSTUBatch whose every leaf has a leading rank axis ``[R, ...]``."""
     from gr_functional.tree import tree_map
 
-    caps = {(b.tokens.t_cap, b.tokens.b_cap) for b in rank_batches}
+    def caps_of(b):
+        tiles = b.tokens.tiles
+        return (b.tokens.t_cap, b.tokens.b_cap) + ((None, None) if tiles is None else
+                                                   (int(np.shape(tiles.pair_q)[0]), tiles.nc_cap))
+
+    caps = {caps_of(b) for b in rank_batches}
     if len(caps) != 1:
-        raise ValueError(f"rank batches must share one capacity to stack, got (t_cap, b_cap) {sorted(caps)}")
+        raise ValueError(f"rank batches must share one capacity to stack, got (t_cap, b_cap, p_cap, nc_cap) "
+                         f"{sorted(caps, key=str)}; build them with TrainLoader.rank_batches(capacity='common')")
     return tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), rank_batches[0], *rank_batches[1:])
 
 

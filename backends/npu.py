@@ -6,11 +6,8 @@ falls back to CPU silently.
 """
 from __future__ import annotations
 
+from .base import BackendUnavailable
 from .torch import TorchBackend
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here; the message says why and how to fix it."""
 
 
 class NpuBackend(TorchBackend):

@@ -12,7 +12,7 @@ import numpy as np
 
 from gr_functional.tree import tree_items, tree_map, tree_map_with_path
 
-from .base import Backend
+from .base import Backend, BackendUnavailable
 
 
 class TorchBackend(Backend):
@@ -31,6 +31,10 @@ class TorchBackend(Backend):
         self.xp = xp
         self.torch_device = torch.device(device or "cpu")
         self.array_device = self.torch_device
+        if self.torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable(f"backend 'torch' on device {device!r}: this torch ({torch.__version__}) "
+                                     f"sees no CUDA GPU; use backend.device=cpu, or install a CUDA build of "
+                                     f"torch on a machine with a GPU")
         if hstu_kernel not in ("jagged", "reference", "triton"):
             raise ValueError(f"backend.hstu_kernel for torch must be 'jagged', 'reference' or 'triton', "
                              f"got {hstu_kernel!r}")
@@ -75,6 +79,11 @@ class TorchBackend(Backend):
 
     def stop_gradient(self, x):
         return x.detach()
+
+    def block_until_ready(self, tree) -> None:
+        # CPU kernels run synchronously in eager mode; CUDA ones are queued
+        if self.torch_device.type == "cuda":
+            self._torch.cuda.synchronize(self.torch_device)
 
     def memory_profile(self, fn, *args):
         """CUDA: peak allocated bytes during ``fn`` above those allocated before. CPU (no allocator
@@ -136,7 +145,7 @@ class TorchBackend(Backend):
 
     def sampled_logits(self, user, items, ids):
         """Where the reference takes the dense path (``N <= DENSE_LOGITS_MAX_RATIO * R``), the same
-        products row-chunk by row-chunk (``_ChunkedSampledLogits``): the ``[T, N]`` score matrix
+        products row-chunk by row-chunk (``_chunked_sampled_logits``): the ``[T, N]`` score matrix
         and its gradient are never materialised whole. Else the reference row gather."""
         ids = ids.long()  # torch's gathers want int64 indices; the math is unchanged
         if items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]:

@@ -10,7 +10,6 @@ import time
 import numpy as np
 
 from gr_functional.batch import make_batch
-from gr_functional.tree import tree_leaves
 
 
 def machine() -> dict:
@@ -30,20 +29,15 @@ def machine() -> dict:
 
 
 def backends_for(cfg, names=None) -> list:
-    """``[(label, backend)]`` to measure: ``names`` (default torch and jax) on ``backend.device``
-    (default cpu). A backend that cannot start here is reported by ``backend_status`` and skipped.
+    """``[(label, backend)]`` to measure: ``names`` (default torch and jax) as ``grf train`` would
+    make them (``runner.make_backend``: ``backend.device``, ``hstu_kernel``, ``deterministic``).
+    Raises ``ConfigError`` / ``BackendUnavailable`` with the reason, before anything is timed.
     (Precision is applied by whoever runs the step: ``train`` casts per ``backend.precision``.)"""
-    from backends import backend_status, get_backend
+    from gr_functional.config import replace
+    from gr_functional.runner import make_backend, validate
 
-    out = []
-    for name in names or ["torch", "jax"]:
-        ok, reason = backend_status(name)
-        if not ok:
-            print(json.dumps({"skipped_backend": name, "reason": reason}))
-            continue
-        B = get_backend(name, device=cfg.backend.device or None, dtype=cfg.backend.dtype)
-        out.append((name, B))
-    return out
+    validate(cfg)
+    return [(name, make_backend(replace(cfg, backend={"name": name}))) for name in names or ["torch", "jax"]]
 
 
 def kernel_variant(B, kernel: str):
@@ -80,21 +74,15 @@ def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: 
     return make_batch(hist, times, m, rng=rng, num_items=n_items, train=train, t_cap=t_cap, b_cap=len(lengths))
 
 
-def block_until_ready(B, tree) -> None:
-    for leaf in tree_leaves(tree):
-        if hasattr(leaf, "shape"):
-            B.to_numpy(leaf)
-
-
 def median_seconds(B, fn, *args, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall time of ``fn(*args)`` (outputs fetched to the host) after ``warmup`` calls
-    (JAX compiles in the first)."""
+    """Median wall time of ``fn(*args)`` until its outputs are computed (``B.block_until_ready``:
+    no copy to the host) after ``warmup`` calls (JAX compiles in the first)."""
     for _ in range(warmup):
-        block_until_ready(B, fn(*args))
+        B.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        block_until_ready(B, fn(*args))
+        B.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 

@@ -26,7 +26,7 @@ from gr_functional.config import ModelConfig, load_config
 from gr_functional.tree import tree_leaves
 from gr_functional.train import init_opt_state, make_train_step
 
-from .common import block_until_ready, kuairand_lengths, median_seconds, synthetic_batch
+from .common import kuairand_lengths, median_seconds, synthetic_batch
 
 KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_heads=4, dqk=64, dv=64,
                           max_len=1024)
@@ -70,7 +70,6 @@ def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
     supervised = int(np.asarray(batch_np.weights).sum())
     n_params = sum(int(np.prod(np.shape(x))) for x in tree_leaves(params))
     fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params)
-    block_until_ready(B, state["params"])
     return {"seconds": seconds, "tokens": int(lengths.sum()), "sequences": int(len(lengths)),
             "model_flops": int(fl["total"]), "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"},
             "params": n_params}

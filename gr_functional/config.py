@@ -64,10 +64,10 @@ class ModelConfig:
     @property
     def tile(self) -> int:
         """The resolved ``attention_tile``: auto is max_len / 8 rounded up to a power of two, in
-        [32, 256] (ML-1M, max_len 200: 32; length 1024: 128)."""
+        [32, 256] and at most max_len (ML-1M, max_len 200: 32; length 1024: 128)."""
         if self.attention_tile >= 0:
             return self.attention_tile
-        return min(256, max(32, 1 << max(0, (self.max_len - 1) // 8).bit_length()))
+        return min(self.max_len, 256, max(32, 1 << max(0, (self.max_len - 1) // 8).bit_length()))
 
     @property
     def uvqk_splits(self) -> tuple[int, int, int, int]:
@@ -123,9 +123,9 @@ class BackendConfig:
     name: str = "torch"             # jax | torch | npu
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
     dtype: str = "float32"
-    # HSTU attention kernel: "default" (the backend's own choice: reference on torch/jax, mxrec or
-    # Triton on npu), or a backend-specific name (torch: "reference" | "triton"; npu: "auto" |
-    # "mxrec" | "triton" | "reference")
+    # HSTU attention kernel: "default" (the backend's own choice: "jagged" on torch/jax, mxrec or
+    # Triton on npu), or a backend-specific name (torch: "jagged" | "reference" | "triton"; jax:
+    # "jagged" | "reference"; npu: "auto" | "mxrec" | "triton" | "reference")
     hstu_kernel: str = "default"
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the

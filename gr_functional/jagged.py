@@ -1,7 +1,8 @@
 """Jagged arrays: ``values[T_cap, ...]`` + ``offsets[B_cap+1]`` with static capacities.
 
 Built on the host in numpy by the data pipeline, then moved to a backend with
-``B.asarray_tree``. Derived index arrays (segment id and position per token, a padded-dense
+``B.asarray_tree``. An optional ``TilePlan`` (the jagged attention's chunk pairs) rides along with
+its own ladder capacities. Derived index arrays (segment id and position per token, a padded-dense
 index map, the last token of each sequence) are computed here once, so no op ever needs a
 data-dependent shape: under ``jax.jit`` every batch of the same capacities reuses one program.
 
@@ -173,8 +174,9 @@ def tile_counts(lengths, tile: int) -> tuple[int, int]:
 
 
 def tile_capacities(chunks: int, pairs: int) -> tuple[int, int]:
-    """Ladder capacities ``(p_cap, nc_cap)`` that hold a plan of ``chunks`` / ``pairs`` (one
-    padding pair is always kept, see ``TilePlan.build``)."""
+    """Ladder capacities ``(p_cap, nc_cap)`` (note the order: pairs first, as ``make_batch``'s
+    arguments) that hold a plan of ``chunks`` chunks and ``pairs`` pairs (one padding pair is
+    always kept, see ``TilePlan.build``)."""
     return round_up_capacity(pairs + 1), round_up_capacity(max(chunks, 1), 1)
 
 

@@ -104,8 +104,8 @@ def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | No
     filled with the named activations of every layer in forward order (used by crosscheck)."""
     xp = B.xp
     layout = batch.layout
-    x = B.gather_rows(params["item_emb"], layout.values) * math.sqrt(cfg.embed_dim)
-    x = x + B.gather_rows(params["pos_emb"], layout.pos)
+    x = B.gather_table(params["item_emb"], layout.values) * math.sqrt(cfg.embed_dim)
+    x = x + B.gather_table(params["pos_emb"], layout.pos)
     if batch.input_keep is not None:
         x = x * batch.input_keep
     x = x * xp.reshape(B.token_mask(layout), (-1, 1))
@@ -129,7 +129,7 @@ def sampled_softmax_loss(B, user, item_table, targets, negatives, weights, cfg: 
     """
     xp = B.xp
     items = B.l2_normalize(item_table, cfg.l2_eps)
-    pos = xp.sum(user * B.gather_rows(items, targets), axis=-1) / cfg.temperature          # [T]
+    pos = xp.sum(user * B.gather_table(items, targets), axis=-1) / cfg.temperature          # [T]
     neg = B.sampled_logits(user, items, negatives) / cfg.temperature                         # [T, R]
     hit = negatives == xp.reshape(targets, (-1, 1))
     neg = xp.where(hit, xp.full_like(neg, -5e4), neg)

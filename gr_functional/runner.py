@@ -120,6 +120,9 @@ def validate(cfg: Config) -> None:
     t, b = cfg.train, cfg.backend
     if b.precision not in PRECISIONS:
         raise ConfigError(f"backend.precision={b.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.model.attention_tile < -1:
+        raise ConfigError(f"model.attention_tile={cfg.model.attention_tile} must be -1 (auto), 0 (no tile plan: "
+                          f"padded attention) or a chunk length >= 1")
     if b.deterministic not in DETERMINISTIC_MODES:
         raise ConfigError(f"backend.deterministic={b.deterministic!r} is not one of "
                           f"{', '.join(DETERMINISTIC_MODES)} (true/false also accepted)")
