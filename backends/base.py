@@ -67,8 +67,9 @@ class Backend:
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
     # only the sampled rows.
     DENSE_LOGITS_MAX_RATIO = 64
-    # "jagged": hstu_attention runs hstu_attention_tiled when the layout carries a tile plan;
-    # "reference": always the padded oracle. Backends take it as their hstu_kernel option.
+    # "jagged": hstu_attention runs hstu_attention_tiled where the layout's tile plan saves
+    # enough work; "tiled": whenever there is a plan; "reference": always the padded oracle.
+    # Backends take it as their hstu_kernel option.
     attention_kernel = "reference"
     # where arrays created inside ops (aranges) live: None = the library default (JAX places them
     # with their inputs); torch sets its device, else CUDA ops would meet CPU constants
@@ -314,12 +315,27 @@ class Backend:
         q[T, H, dqk], k[T, H, dqk], v[T, H, dv] -> [T, H, dv] (zeros on padding rows):
         ``out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j``, with
         n = ``norm_len`` a fixed normaliser (no softmax, no 1/sqrt(d)) and rab from
-        ``relative_bias``. ``attention_kernel == "jagged"`` and a layout with a tile plan run
-        ``hstu_attention_tiled`` (no padding); otherwise ``hstu_attention_padded``, the oracle.
+        ``relative_bias``. Which kernel runs (``attention_kernel``, a layout with a tile plan):
+        "tiled" always ``hstu_attention_tiled`` (no padding); "jagged" the tiled kernel where it
+        pays off (``tiles_pay_off``), else the padded one; "reference" always
+        ``hstu_attention_padded``, the oracle.
         """
-        if self.attention_kernel == "jagged" and layout.tiles is not None:
+        kernel = self.attention_kernel
+        if layout.tiles is not None and (kernel == "tiled" or (kernel == "jagged" and self.tiles_pay_off(layout))):
             return self.hstu_attention_tiled(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
         return self.hstu_attention_padded(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+
+    # padded score cells over tiled ones (capacities) from which "jagged" runs the tiled kernel
+    jagged_min_work_ratio = 1.0
+
+    def tiles_pay_off(self, layout: Jagged) -> bool:
+        """Static (shapes only, so a jit-time choice): does the tile plan save enough work?
+        ``B_cap max_len^2 >= jagged_min_work_ratio * P_cap tile^2``. Tiles cost more per cell
+        than one dense matrix (gathers, small matmuls); on CPU they won only from about 2x less
+        work (README "Speed"), on GPUs already at 1.6x."""
+        plan = layout.tiles
+        padded = layout.b_cap * layout.max_len ** 2
+        return padded >= self.jagged_min_work_ratio * plan.pair_q.shape[0] * plan.tile ** 2
 
     def hstu_attention_padded(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
                               query_ts=None):

@@ -45,11 +45,12 @@ class JaxBackend(Backend):
     name = "jax"
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
-        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``; the padded reference
-        when a layout has no plan) or "reference" (padded dense, the oracle)."""
+        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles`` where they pay off,
+        ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan) or
+        "reference" (padded dense, the oracle)."""
         super().__init__(device, dtype)
-        if hstu_kernel not in ("jagged", "reference"):
-            raise ValueError(f"backend.hstu_kernel for jax must be 'jagged' or 'reference', got {hstu_kernel!r}")
+        if hstu_kernel not in ("jagged", "tiled", "reference"):
+            raise ValueError(f"backend.hstu_kernel for jax must be 'jagged', 'tiled' or 'reference', got {hstu_kernel!r}")
         self.attention_kernel = hstu_kernel
         import jax
         import jax.numpy as jnp
@@ -60,6 +61,8 @@ class JaxBackend(Backend):
         self._jax = jax
         self.xp = jnp
         self._device = jax.devices(device)[0] if device else None
+        # measured crossover of the tiled kernel vs the padded one (README "Speed")
+        self.jagged_min_work_ratio = 2.0 if (self._device or jax.devices()[0]).platform == "cpu" else 1.0
 
     def asarray(self, x, dtype=None):
         arr = self.xp.asarray(x, dtype=dtype)

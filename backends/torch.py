@@ -19,8 +19,9 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
-        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``, no padding; the padded
-        reference when a layout has no plan), "reference" (padded dense, the oracle) or "triton"
+        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``, no padding, where they
+        pay off: ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever the layout
+        has a plan), "reference" (padded dense, the oracle) or "triton"
         (the portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
         TRITON_INTERPRET=1)."""
         super().__init__(device, dtype)
@@ -35,10 +36,12 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"backend 'torch' on device {device!r}: this torch ({torch.__version__}) "
                                      f"sees no CUDA GPU; use backend.device=cpu, or install a CUDA build of "
                                      f"torch on a machine with a GPU")
-        if hstu_kernel not in ("jagged", "reference", "triton"):
-            raise ValueError(f"backend.hstu_kernel for torch must be 'jagged', 'reference' or 'triton', "
+        if hstu_kernel not in ("jagged", "tiled", "reference", "triton"):
+            raise ValueError(f"backend.hstu_kernel for torch must be 'jagged', 'tiled', 'reference' or 'triton', "
                              f"got {hstu_kernel!r}")
         self.attention_kernel = hstu_kernel
+        # measured crossover of the tiled kernel vs the padded one (README "Speed")
+        self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
         self._triton_attention = None
         if hstu_kernel == "triton":
             import npu_ops
@@ -144,13 +147,13 @@ class TorchBackend(Backend):
         return self._triton_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
 
     def sampled_logits(self, user, items, ids):
-        """Where the reference takes the dense path (``N <= DENSE_LOGITS_MAX_RATIO * R``), the same
-        products row-chunk by row-chunk (``_chunked_sampled_logits``): the ``[T, N]`` score matrix
-        and its gradient are never materialised whole. Else the reference row gather."""
+        """The reference's two formulations (dense ``user @ items^T`` when ``N <=
+        DENSE_LOGITS_MAX_RATIO * R``, else a row gather), row-chunk by row-chunk
+        (``_chunked_sampled_logits``): neither the ``[T, N]`` scores nor the ``[T, R, D]`` gathered
+        rows, nor their gradients, are ever materialised whole."""
         ids = ids.long()  # torch's gathers want int64 indices; the math is unchanged
-        if items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]:
-            return _chunked_sampled_logits(self._torch)(user, items, ids)
-        return super().sampled_logits(user, items, ids)
+        dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
+        return _chunked_sampled_logits(self._torch)(user, items, ids, dense)
 
 
 # ----------------------------------------------------------------------------- fused ops
@@ -159,28 +162,40 @@ _FUNCTIONS: dict = {}
 
 
 def _chunked_sampled_logits(torch):
-    """``autograd.Function`` computing ``out[t, r] = <user[t], items[ids[t, r]]>`` through dense
-    ``[chunk, N]`` score blocks, ``SAMPLED_LOGITS_CHUNK_ROWS`` rows at a time.
+    """``autograd.Function`` computing ``out[t, r] = <user[t], items[ids[t, r]]>`` on
+    ``SAMPLED_LOGITS_CHUNK_ROWS`` rows at a time, in one of the reference's two formulations.
 
-    Why: the reference's dense path keeps ``user @ items^T`` ([T, N], e.g. 16k x 4k floats) for
-    backward and its gradient is a zero-filled [T, N] matrix plus a scatter: on CPU the fill of
-    that fresh allocation alone took ~20 % of an ML-1M HSTU-large step (profiled). Here backward
-    reuses one ``[chunk, N]`` buffer: ``d user = G_c @ items``, ``d items += G_c^T @ user_c``
-    (accumulated in fp32 for bf16/fp16 inputs). Exact same products; summation order differs
-    only in the items gradient's chunked sum.
+    dense: ``[chunk, N]`` score blocks (``user_c @ items^T``, then the R wanted columns).
+    gather: the ``[chunk, R, D]`` rows of ``items[ids_c]`` and a batched dot with ``user_c``.
+
+    Why: unchunked, the dense path keeps ``[T, N]`` scores for backward and its gradient is a
+    zero-filled [T, N] matrix plus a scatter (on CPU the fill alone took ~20 % of an ML-1M
+    HSTU-large step), and the gather path streams ``[T, R, D]`` tensors (2 GB at T=16k, R=128,
+    D=256) through memory several times (~55 % of a KuaiRand-size step in ``mul`` and
+    ``index_select``, profiled). Here backward recomputes one chunk at a time in cache:
+    ``d user_c = G_c @ items`` or ``= g_c . rows_c``, ``d items += G_c^T @ user_c`` or an
+    ``index_add`` of ``g_c x user_c``, accumulated in fp32 for bf16/fp16 inputs. Same products;
+    only the summation order of the items gradient differs.
     """
     if "sampled_logits" in _FUNCTIONS:
         return _FUNCTIONS["sampled_logits"].apply
 
+    def chunks(n):
+        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
+
     class ChunkedSampledLogits(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, user, items, ids):
+        def forward(ctx, user, items, ids, dense):
             ctx.save_for_backward(user, items, ids)
+            ctx.dense = dense
             out = user.new_empty(ids.shape)
             items_t = items.t()
-            for start in range(0, user.shape[0], SAMPLED_LOGITS_CHUNK_ROWS):
-                rows = slice(start, start + SAMPLED_LOGITS_CHUNK_ROWS)
-                torch.gather(user[rows] @ items_t, 1, ids[rows], out=out[rows])
+            for rows in chunks(user.shape[0]):
+                if dense:
+                    torch.gather(user[rows] @ items_t, 1, ids[rows], out=out[rows])
+                else:
+                    picked = items.index_select(0, ids[rows].reshape(-1)).view(*ids[rows].shape, -1)
+                    out[rows] = torch.bmm(picked, user[rows].unsqueeze(-1)).squeeze(-1)
             return out
 
         @staticmethod
@@ -190,15 +205,23 @@ def _chunked_sampled_logits(torch):
             d_user = torch.empty_like(user)
             d_items = torch.zeros(items.shape, dtype=acc, device=items.device)
             items_acc = items.to(acc)
-            block = torch.empty((min(SAMPLED_LOGITS_CHUNK_ROWS, max(user.shape[0], 1)), items.shape[0]),
-                                dtype=acc, device=user.device)
-            for start in range(0, user.shape[0], SAMPLED_LOGITS_CHUNK_ROWS):
-                rows = slice(start, start + SAMPLED_LOGITS_CHUNK_ROWS)
-                g = block[: ids[rows].shape[0]].zero_()
-                g.scatter_add_(1, ids[rows], grad[rows].to(acc))
-                d_user[rows] = (g @ items_acc).to(user.dtype)
-                d_items.addmm_(g.t(), user[rows].to(acc))
-            return d_user, d_items.to(items.dtype), None
+            block = None
+            for rows in chunks(user.shape[0]):
+                g, u = grad[rows].to(acc), user[rows].to(acc)
+                if ctx.dense:
+                    if block is None:
+                        block = torch.empty((min(SAMPLED_LOGITS_CHUNK_ROWS, user.shape[0]), items.shape[0]),
+                                            dtype=acc, device=user.device)
+                    G = block[: g.shape[0]].zero_()
+                    G.scatter_add_(1, ids[rows], g)
+                    d_user[rows] = (G @ items_acc).to(user.dtype)
+                    d_items.addmm_(G.t(), u)
+                else:
+                    flat = ids[rows].reshape(-1)
+                    picked = items_acc.index_select(0, flat).view(*ids[rows].shape, -1)   # [c, R, D]
+                    d_user[rows] = torch.bmm(g.unsqueeze(1), picked).squeeze(1).to(user.dtype)
+                    d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
+            return d_user, d_items.to(items.dtype), None, None
 
     _FUNCTIONS["sampled_logits"] = ChunkedSampledLogits
     return ChunkedSampledLogits.apply

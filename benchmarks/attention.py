@@ -74,7 +74,7 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
     seconds = median_seconds(B, fn, *args, repeats=repeats)
     memory, kind = B.memory_profile(fn, *args)
     plan = batch.tokens.tiles
-    if padded or B.attention_kernel != "jagged" or plan is None:
+    if padded or B.attention_kernel != "tiled" or plan is None:
         cells = batch.tokens.b_cap * mc.max_len ** 2
     else:
         cells = plan.num_pairs() * plan.tile ** 2
@@ -83,7 +83,7 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
 
 def variants(label, B):
     yield "padded", kernel_variant(B, "reference")
-    yield "jagged", kernel_variant(B, "jagged")
+    yield "jagged", kernel_variant(B, "tiled")
     if label == "torch" and str(getattr(B, "torch_device", "cpu")).startswith("cuda"):
         from backends import get_backend
 

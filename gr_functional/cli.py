@@ -165,6 +165,7 @@ def cmd_data(args) -> int:
 
 
 BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "throughput": "benchmarks.throughput",
+              "profile": "benchmarks.profile",
               "balance": "benchmarks.balance", "calibrate": "benchmarks.calibrate",
               "dist_imbalance": "benchmarks.dist_imbalance"}
 

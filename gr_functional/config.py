@@ -124,8 +124,9 @@ class BackendConfig:
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
     dtype: str = "float32"
     # HSTU attention kernel: "default" (the backend's own choice: "jagged" on torch/jax, mxrec or
-    # Triton on npu), or a backend-specific name (torch: "jagged" | "reference" | "triton"; jax:
-    # "jagged" | "reference"; npu: "auto" | "mxrec" | "triton" | "reference")
+    # Triton on npu), or a backend-specific name (torch: "jagged" | "tiled" | "reference" |
+    # "triton"; jax: "jagged" | "tiled" | "reference"; npu: "auto" | "mxrec" | "triton" |
+    # "reference"). "jagged" runs the no-padding tiles where they save enough work, "tiled" always.
     hstu_kernel: str = "default"
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the

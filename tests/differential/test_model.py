@@ -1,6 +1,8 @@
 """HSTU block, full loss, all gradients, one optimizer step and a 50-step trajectory: torch vs JAX."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,12 +67,16 @@ def test_block_forward_and_grads(case):
 
 
 @pytest.mark.parametrize("case", list(BATCH_CASES))
-def test_loss_and_every_gradient(case):
-    batch = make_train_batch(case)
+@pytest.mark.parametrize("kernel", ["tiled", "reference"])
+def test_loss_and_every_gradient(case, kernel):
+    """Both attention kernels (tiles of 4 tokens: several chunks per sequence), torch vs JAX."""
+    cfg = dataclasses.replace(CFG, attention_tile=4)
+    batch = make_train_batch(case, cfg=cfg)
     params = model.init_params(CFG, seed=3)
 
     def run(B):
-        loss, g = B.value_and_grad(lambda p, b: model.loss_fn(B, p, b, CFG))(
+        B = get_backend(B.name, hstu_kernel=kernel)
+        loss, g = B.value_and_grad(lambda p, b: model.loss_fn(B, p, b, cfg))(
             B.asarray_tree(params), B.asarray_tree(batch))
         return float(loss), {k: B.to_numpy(v) for k, v in tree_items(g)}
 

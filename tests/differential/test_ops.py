@@ -226,18 +226,26 @@ def test_hstu_attention_tiled_grads_vs_padded_and_jax(rng, case, tile):
 
 
 def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
-    layout, inputs, n = _attention_inputs("mixed", rng)
+    """"tiled" runs the tiles whenever there is a plan, "reference" never, "jagged" where the
+    plan saves at least ``jagged_min_work_ratio`` of the padded score cells (static shapes)."""
+    layout, inputs, n = _attention_inputs("mixed", rng)      # b_cap 6 x max_len 12^2 = 864 cells
+    fine, coarse = layout.with_tiles(1), layout.with_tiles(12)  # 192 x 1 and 8 x 144 cells (capacities)
     calls = []
-    for kernel in ("jagged", "reference"):
+    for kernel in ("jagged", "tiled", "reference"):
         B = get_backend("torch", hstu_kernel=kernel)
+        B.jagged_min_work_ratio = 2.0
         B.hstu_attention_tiled = lambda *a, **k: calls.append((kernel, "tiled"))
         B.hstu_attention_padded = lambda *a, **k: calls.append((kernel, "padded"))
-        for lay in (layout, layout.with_tiles(4)):
+        for lay in (layout, fine, coarse):
             B.hstu_attention(None, None, None, lay, n)
-    assert calls == [("jagged", "padded"), ("jagged", "tiled"), ("reference", "padded"), ("reference", "padded")]
+    assert calls == [("jagged", "padded"), ("jagged", "tiled"), ("jagged", "padded"),
+                     ("tiled", "padded"), ("tiled", "tiled"), ("tiled", "tiled"),
+                     ("reference", "padded"), ("reference", "padded"), ("reference", "padded")]
+    assert get_backend("torch").jagged_min_work_ratio == 2.0    # CPU crossover (README "Speed")
 
 
-def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng):
+@pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
+def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items):
     """Several row chunks, repeated ids within a row, fp32 and bf16: the chunked torch op vs the
     reference formulation (Backend.sampled_logits) on the same backend, outputs and gradients."""
     import torch
@@ -246,7 +254,7 @@ def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng):
     from backends.base import Backend
 
     B = get_backend("torch")
-    T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 300, 16, 8
+    T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, n_items, 16, 8
     user = rng.standard_normal((T, D)).astype(np.float32)
     items = rng.standard_normal((N, D)).astype(np.float32)
     ids = rng.integers(0, N, (T, R)).astype(np.int32)
