@@ -134,6 +134,16 @@ class TorchBackend(Backend):
     def logsumexp(self, x, axis: int = -1):
         return self._torch.logsumexp(x, dim=axis)
 
+    def layer_norm(self, x, eps: float = 1e-6):
+        # one fused native kernel (forward and backward) instead of five elementwise passes;
+        # also serves hstu_norm_mul's LN(AV) and the blocks' input LN
+        return self._torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+
+    def hstu_uvqk(self, x, w, splits):
+        # one GEMM for u, v, q, k; SiLU in place of a temporary; the split returns views
+        y = self._torch.nn.functional.silu(x @ w)
+        return tuple(self._torch.split(y, list(splits), dim=-1))
+
     def segment_sum(self, data, segment_ids, num_segments: int):
         # one extra bin swallows ids outside [0, S) (padding tokens use id S), as jax drops them
         ids = segment_ids.long()
