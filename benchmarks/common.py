@@ -41,7 +41,7 @@ def backends_for(cfg, names=None) -> list:
 
 
 def kernel_variant(B, kernel: str):
-    """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` ("jagged" | "reference")."""
+    """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` ("jagged" | "tiled" | "reference")."""
     import copy
 
     view = copy.copy(B)
