@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from gr_functional import report
 from gr_functional.config import load_config
 from gr_functional.runner import train
 
@@ -38,10 +39,9 @@ def main() -> None:
         out = Path(args.out) / name.replace(" ", "_").replace("+", "_")
         rows[name] = train(cfg, out, progress=False)
         print(f"{name}: " + json.dumps({k: round(rows[name][k], 4) for k in KEYS}), flush=True)
-    print("\n| relative bias | " + " | ".join(KEYS) + " | epoch |")
-    print("|---|" + "---|" * (len(KEYS) + 1))
-    for name, r in rows.items():
-        print(f"| {name} | " + " | ".join(f"{r[k]:.4f}" for k in KEYS) + f" | {r['epoch']} |")
+    # the same table `grf report OUT` prints: the bias switches are the config keys that differ
+    print()
+    print(report.summary_table(report.find_runs([args.out]), KEYS))
     (Path(args.out) / "summary.json").write_text(json.dumps(rows, indent=1))
 
 

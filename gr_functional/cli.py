@@ -1,4 +1,4 @@
-"""``grf``: train, eval, crosscheck and data commands.
+"""``grf``: train, eval, crosscheck, data, bench and report commands.
 
     grf train --config experiments/configs/NAME.toml [--backend B] [--set key=value ...] [--out DIR]
               [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
@@ -6,7 +6,8 @@
     grf eval --checkpoint PATH [--backend B] [--split test|valid]
     grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
     grf data fetch ml-1m | grf data info
-    grf bench balance | grf bench calibrate --config FILE [--set ...] [--json]
+    grf bench attention|mfu|throughput|profile|balance|calibrate|dist_imbalance [--json] ...
+    grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
 
 Exit codes: 0 done, 2 user error (nothing written), 3 aborted by the NaN/Inf guard, 4 a
 data-parallel rank died or hung (the message names it). Under torchrun every rank prints its
@@ -193,6 +194,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from . import report
+
+    runs = report.find_runs(args.runs)
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else report.DEFAULT_METRICS
+    if args.json:
+        if args.curve:
+            for run in runs:
+                print(json.dumps({"run": str(run.path), "evals": run.evals}))
+        else:
+            keys, rows = report.summary_rows(runs, metrics, args.group_seeds)
+            for row in rows:
+                print(json.dumps(row))
+    elif args.curve:
+        print(report.curve_table(runs, args.curve, args.split))
+    else:
+        print(report.summary_table(runs, metrics, args.group_seeds))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -242,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
                                       "throughput: comma-separated list (default torch,jax)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("report", help="compare runs: test metrics of each run's selected epoch, or a metric per epoch")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (grf train --out), or folders of them")
+    r.add_argument("--metrics", help="comma-separated test metrics (default hr@10,ndcg@10,hr@50,ndcg@50,hr@200,ndcg@200,mrr)")
+    r.add_argument("--group-seeds", action="store_true",
+                   help="one row per config: mean +- sample std over runs that differ only in train.seed")
+    r.add_argument("--curve", metavar="METRIC", help="print METRIC at every evaluated epoch, one column per run")
+    r.add_argument("--split", default="test", choices=("test", "valid"), help="split for --curve (default test)")
+    r.add_argument("--json", action="store_true", help="one JSON object per row (per run with --curve)")
+    r.set_defaults(fn=cmd_report)
     return p
 
 
@@ -257,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     from .jagged import JaggedError
     from .runner import DistributedError, TrainingAborted
 
-    user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError)
+    from .report import ReportError
+
+    user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError,
+                          ReportError)
     try:
         from .data.loaders import DataError
         user_errors += (DataError,)

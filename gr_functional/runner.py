@@ -46,6 +46,7 @@ from backends import get_backend
 from . import model
 from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, fault_point, read_checkpoint, warn
 from .config import Config, ConfigError, config_to_toml, replace
+from .report import SELECT_METRIC, select_epoch
 from .train import PRECISIONS, init_loss_scale, init_opt_state, make_scorer, make_train_step
 
 RESUME_MODES = ("auto", "must", "never")
@@ -728,12 +729,9 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     history = state.history
     if not history:
         raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
-    best = None
-    for record in history:
-        if "valid" in record and (best is None or record["valid"]["hr@10"] > best["valid"]["hr@10"]):
-            best = record
+    best = select_epoch(history)
     last = history[-1]
-    result = {**best["test"], "epoch": best["epoch"], "selected_by": "best valid hr@10",
+    result = {**best["test"], "epoch": best["epoch"], "selected_by": f"best valid {SELECT_METRIC}",
               "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
               "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
               "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - t_start}

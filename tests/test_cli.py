@@ -78,3 +78,13 @@ def test_user_errors_exit_2_with_a_message(capsys, tmp_path, monkeypatch):
     assert "ML-20M data not found" in err and "grf data fetch ml-20m" in err
     assert main(["crosscheck", "--config", "quickstart", "--backends", "jax,npu"]) == 2
     assert "backend 'npu' is unavailable" in capsys.readouterr().err
+
+
+def test_report_reads_what_train_wrote(trained, capsys):
+    # the report's epoch rule is the runner's: it finds eval.json's epoch and metrics in metrics.jsonl
+    result = json.loads((trained / "eval.json").read_text())
+    assert main(["report", str(trained), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["status"] == "done" and row["epoch"] == result["epoch"]
+    for key in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"):
+        assert row[key] == result[key], key

@@ -1,0 +1,258 @@
+"""Compare runs from their output files: what ``grf report`` prints.
+
+A run directory (runner.train) holds config.toml, metrics.jsonl, timing.jsonl and, once finished,
+eval.json. This module reads only those files, so it works on finished runs, on runs still
+training (their best epoch so far) and on runs made by any backend or machine. It never imports
+an array library.
+
+- ``load_run(path) -> Run``: one run's evaluations, config and timings.
+- ``select_epoch(records)``: the epoch rule of the runner (best validation HR@10, first on ties).
+- ``summary_table(runs, metrics, group_seeds)``: one row per run, or per group of runs that differ
+  only in ``train.seed`` (mean +- sample std), with the config keys that differ between rows.
+- ``curve_table(runs, metric, split)``: the metric at every evaluated epoch, one column per run,
+  to compare runs at equal training (e.g. bf16 against fp32 while the bf16 run is still going).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from pathlib import Path
+
+DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
+SELECT_METRIC = "hr@10"
+# keys that say how a run was watched, not what it trained: never a reason to tell runs apart
+_BOOKKEEPING = ("train.eval_every", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                "train.max_bad_steps", "eval.batch_size", "eval.max_users", "data.path")
+# keys that change how the same math is executed (rounding, speed), not the model: seeds of one
+# config run with different ones still form one group
+_EXECUTION = ("backend.deterministic", "backend.hstu_kernel", "backend.device", "model.attention_tile")
+
+
+class ReportError(ValueError):
+    """A path that is not a run directory, or a run file that cannot be read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run directory, read.
+
+    evals: ``[{"epoch": int, "valid": {metric: float}, "test": {metric: float}}]`` in epoch order
+    (a split is absent when it was not evaluated). config: the flattened config.toml,
+    ``{"section.key": value}``. finished: eval.json exists and covers the last evaluated epoch.
+    epoch_seconds: wall seconds per epoch (timing.jsonl; the last record of an epoch that a resume
+    ran twice).
+    """
+
+    path: Path
+    config: dict
+    evals: list
+    finished: bool
+    epoch_seconds: dict
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def epochs_done(self) -> int:
+        return 1 + max(self.epoch_seconds, default=-1)
+
+    @property
+    def wall_seconds(self) -> float:
+        """Sum of epoch times: training and evaluation, over every process that ran the run."""
+        return float(sum(self.epoch_seconds.values()))
+
+    def selected(self) -> dict | None:
+        """``{"epoch", metric: test value...}`` of the selected epoch, None before any evaluation."""
+        record = select_epoch(self.evals)
+        if record is None or "test" not in record:
+            return None
+        return {"epoch": record["epoch"], **record["test"]}
+
+
+def select_epoch(records: list) -> dict | None:
+    """The record with the best validation HR@10 (the first of equals); None when none has one.
+
+    records: ``[{"epoch", "valid": {...}, "test": {...}}]``, the runner's per-epoch history.
+    """
+    best = None
+    for record in records:
+        if "valid" in record and (best is None or record["valid"][SELECT_METRIC] > best["valid"][SELECT_METRIC]):
+            best = record
+    return best
+
+
+def _read_jsonl(path: Path) -> list:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            # a run killed mid-write may leave a partial last line; anything else is damage
+            if number == len(lines):
+                continue
+            raise ReportError(f"{path}:{number}: not a JSON line") from None
+    return rows
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def load_run(path: str | Path) -> Run:
+    """Read the run directory ``path``; ReportError when it holds no metrics.jsonl."""
+    path = Path(path)
+    metrics_path = path / "metrics.jsonl"
+    if not metrics_path.exists():
+        raise ReportError(f"{path}: not a run directory (no metrics.jsonl); pass folders written by grf train")
+    config = {}
+    if (path / "config.toml").exists():
+        try:
+            config = _flatten(tomllib.loads((path / "config.toml").read_text()))
+        except tomllib.TOMLDecodeError as exc:
+            raise ReportError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
+    by_epoch: dict[int, dict] = {}
+    for row in _read_jsonl(metrics_path):
+        if row.get("kind") != "eval":
+            continue
+        values = {k: v for k, v in row.items() if k not in ("kind", "split", "epoch", "step")}
+        by_epoch.setdefault(row["epoch"], {"epoch": row["epoch"]})[row["split"]] = values
+    evals = [by_epoch[e] for e in sorted(by_epoch)]
+    epoch_seconds = {row["epoch"]: row["seconds"] for row in _read_jsonl(path / "timing.jsonl")
+                     if row.get("kind") == "epoch"}
+    finished = False
+    if (path / "eval.json").exists():
+        try:
+            result = json.loads((path / "eval.json").read_text())
+        except json.JSONDecodeError:
+            raise ReportError(f"{path / 'eval.json'}: not valid JSON") from None
+        finished = not evals or result.get("last_epoch", -1) >= evals[-1]["epoch"]
+    return Run(path, config, evals, finished, epoch_seconds)
+
+
+def find_runs(paths: list) -> list:
+    """Run directories named by ``paths``: each a run, or a folder whose subfolders are runs."""
+    runs = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").exists():
+            runs.append(load_run(p))
+        elif p.is_dir() and any((c / "metrics.jsonl").exists() for c in p.iterdir()):
+            runs += [load_run(c) for c in sorted(p.iterdir()) if (c / "metrics.jsonl").exists()]
+        else:
+            raise ReportError(f"{p}: neither a run directory nor a folder of them (no metrics.jsonl)")
+    return runs
+
+
+def differing_keys(runs: list, ignore: tuple = ()) -> list:
+    """Config keys with different values in different runs, bookkeeping keys left out. A key some
+    configs lack (written before the key existed) counts only among the runs that have it."""
+    keys = sorted(set().union(*(r.config for r in runs))) if runs else []
+    skip = set(_BOOKKEEPING) | set(ignore)
+    return [k for k in keys if k not in skip and len({repr(r.config[k]) for r in runs if k in r.config}) > 1]
+
+
+def _status(run: Run) -> str:
+    planned = run.config.get("train.epochs")
+    if run.finished:
+        return "done"
+    return f"running, {run.epochs_done}/{planned} epochs" if planned else f"running, {run.epochs_done} epochs"
+
+
+def _mean_std(values: list) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summary_rows(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False) -> tuple[list, list]:
+    """``(keys, rows)``: the differing config keys, and one dict per run or seed group.
+
+    A row: ``{"run", "status", "epoch", key: value..., metric: value | (mean, std), "n", "wall_s"}``
+    (wall_s per run). With ``group_seeds`` runs equal in every differing key but ``train.seed`` and
+    the execution keys (determinism, attention kernel and tile, device) form one row whose metrics
+    are ``(mean, sample std)`` of their selected epochs.
+    """
+    keys = differing_keys(runs, ignore=("train.seed", *_EXECUTION) if group_seeds else ())
+    groups: dict = {}
+    for run in runs:
+        groups.setdefault(tuple(repr(run.config.get(k)) for k in keys) if group_seeds else run.path, []).append(run)
+    rows = []
+    for members in groups.values():
+        chosen = [(r, r.selected()) for r in members]
+        chosen = [(r, s) for r, s in chosen if s is not None]
+        row = {"run": ", ".join(r.name for r in members), "n": len(chosen),
+               "status": "; ".join(sorted({_status(r) for r in members})),
+               **{k: members[0].config.get(k) for k in keys}}
+        if chosen:
+            if group_seeds and len(members) > 1:
+                row["epoch"] = [s["epoch"] for _, s in chosen]
+                row.update({m: _mean_std([s[m] for _, s in chosen]) for m in metrics})
+            else:
+                row["epoch"] = chosen[0][1]["epoch"]
+                row.update({m: chosen[0][1][m] for m in metrics})
+        row["wall_s"] = sum(r.wall_seconds for r in members) / len(members)  # per run
+        rows.append(row)
+    return keys, rows
+
+
+def _cell(value) -> str:
+    if isinstance(value, tuple):
+        mean, std = value
+        return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, list):
+        return "/".join(map(str, value))
+    return "" if value is None else str(value)
+
+
+def check_metrics(runs: list, metrics) -> None:
+    """ReportError naming the metrics no run evaluated, and the ones it did."""
+    known = {m for r in runs for e in r.evals for split in ("valid", "test") for m in e.get(split, {})}
+    unknown = [m for m in metrics if m not in known]
+    if unknown and known:
+        raise ReportError(f"unknown metric(s) {', '.join(unknown)}; the runs have {', '.join(sorted(known))}")
+
+
+def summary_table(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False) -> str:
+    """Markdown: run, the differing config keys, status, selected epoch, test metrics, wall time."""
+    check_metrics(runs, metrics)
+    keys, rows = summary_rows(runs, metrics, group_seeds)
+    head = ["run", *keys, "status", "epoch", *metrics, "wall"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        wall = f"{row['wall_s'] / 60:.1f} min" if row["wall_s"] else ""
+        cells = [row["run"], *("" if row[k] is None else str(row[k]) for k in keys), row["status"],
+                 _cell(row.get("epoch")),
+                 *(_cell(row.get(m)) for m in metrics), wall]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve_table(runs: list, metric: str = "hr@10", split: str = "test") -> str:
+    """Markdown: ``metric`` on ``split`` at every epoch any run evaluated, one column per run."""
+    check_metrics(runs, [metric])
+    epochs = sorted({e["epoch"] for r in runs for e in r.evals})
+    lines = ["| epoch | " + " | ".join(r.name for r in runs) + " |", "|" + "---|" * (len(runs) + 1)]
+    for epoch in epochs:
+        cells = []
+        for run in runs:
+            record = next((e for e in run.evals if e["epoch"] == epoch), None)
+            value = None if record is None or split not in record else record[split].get(metric)
+            cells.append("" if value is None else f"{value:.4f}")
+        lines.append(f"| {epoch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
