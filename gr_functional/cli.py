@@ -204,7 +204,7 @@ def cmd_report(args) -> int:
             for run in runs:
                 print(json.dumps({"run": str(run.path), "evals": run.evals}))
         else:
-            keys, rows = report.summary_rows(runs, metrics, args.group_seeds)
+            _, rows = report.summary_rows(runs, metrics, args.group_seeds)
             for row in rows:
                 print(json.dumps(row))
     elif args.curve:
@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (grf train --out), or folders of them")
     r.add_argument("--metrics", help="comma-separated test metrics (default hr@10,ndcg@10,hr@50,ndcg@50,hr@200,ndcg@200,mrr)")
     r.add_argument("--group-seeds", action="store_true",
-                   help="one row per config: mean +- sample std over runs that differ only in train.seed")
+                   help="one row per config: mean +- sample std over runs that differ only in train.seed "
+                        "(or in determinism, attention kernel/tile, device)")
     r.add_argument("--curve", metavar="METRIC", help="print METRIC at every evaluated epoch, one column per run")
     r.add_argument("--split", default="test", choices=("test", "valid"), help="split for --curve (default test)")
     r.add_argument("--json", action="store_true", help="one JSON object per row (per run with --curve)")
