@@ -85,6 +85,16 @@ class Backend:
     def __repr__(self):
         return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r})"
 
+    def check_hstu_kernel(self, kernel: str) -> str:
+        """``kernel`` if this backend has it (the names are declared once, in
+        ``gr_functional.config.HSTU_KERNELS``), else ``ValueError`` listing the valid ones."""
+        from gr_functional.config import HSTU_KERNELS
+
+        valid = [k for k in HSTU_KERNELS[self.name] if k != "default"]
+        if kernel not in valid:
+            raise ValueError(f"backend.hstu_kernel for {self.name} must be one of {', '.join(valid)}, got {kernel!r}")
+        return kernel
+
     # ------------------------------------------------------------------ transforms (abstract)
     xp: Any = None
 

@@ -20,24 +20,64 @@ gr_functional imports no array library, so the runner and the distributed train 
   fail(message)                  publish this rank's fatal error so peers stop at once
   shutdown()
 
-Failure detection (README "Distributed training"). Every collective runs under the process-group
-timeout (``dist.timeout_s``). A watchdog thread per rank writes a heartbeat (a counter, the main
-thread's progress counter and phase) to the rendezvous store every ``interval`` seconds and reads
-everyone else's, judging staleness on its own monotonic clock (no cross-host clock sync needed):
+Failure detection (README "Distributed training" / "Failure behaviour"). A watchdog thread per
+rank, independent of the training step, writes a heartbeat (a counter, the main thread's progress
+counter, step and phase) to the rendezvous store every ``interval`` seconds and reads everyone
+else's. Nothing is judged on another host's clock: a peer's heartbeat is "unchanged for t
+seconds" on the observer's own monotonic clock, and a rank judges its own progress itself (it
+alone knows its phase and step times). With T = ``dist.timeout_s`` (``limits(T)``):
 
-  - a peer's heartbeat unchanged for ``timeout_s``: "rank N died or is stopped";
-  - a peer (or this rank) not in a "wait" phase whose progress is unchanged for ``timeout_s``:
-    "rank N hung ... in phase P at step S" (the others are waiting for it);
-  - a peer published a failure: "rank N failed: MESSAGE";
-  - the store itself unreachable for ``3 * interval``: the store's host (rank 0 or the torchrun
-    agent) is gone.
+  interval      = min(5, max(0.2, T / 10))       heartbeat period
+  dead_after    = max(T, 5 s)                    a peer's heartbeat unchanged this long: "rank N
+                                                 died or is stopped" (SIGKILL, SIGSTOP, host
+                                                 gone); >= 10 periods and >= 5 s, so a heartbeat
+                                                 thread starved for a few seconds on a loaded
+                                                 machine is not a death
+  hang_after    = max(T, 5 x slowest step)       this rank made no progress this long outside a
+                                                 "wait" phase: "this rank hung"; slowest step =
+                                                 the longest time between the starts of two
+                                                 consecutive steps measured so far on this rank,
+                                                 counting only steps judged by this rule (so a
+                                                 loaded machine, whose steps are all slow, raises
+                                                 its own bound)
+  warmup_after  = 10 x T                         the same, during warm-up: from the start (or
+                                                 resume) and from each checkpoint, evaluation or
+                                                 epoch end (``post`` / ``wait_for``) until the
+                                                 second step after it begins, i.e. the first step
+                                                 (compilation, caches, a new epoch's plan) and
+                                                 everything before it are judged only by the
+                                                 heartbeat plus this backstop
+  store_down_after = max(3 x interval, 5 s)      no heartbeat round with the store completed this
+                                                 long (calls failing, or blocked: judged by a
+                                                 second thread): its host (rank 0 or the torchrun
+                                                 agent) is gone or stopped
+  collective_s  = warmup_after + dead_after      the process-group timeout of every collective: a
+                                                 last resort (all ranks waiting in a collective
+                                                 that never completes), never shorter than what
+                                                 the rules above allow a slow rank
 
-On any of these the watchdog prints ``grf: error: rank R: ...`` and ends the process with exit
+Phases: the runner reports ``progress("step")`` at the start of each step, "checkpoint", "eval"
+and "files" (these three start a warm-up), and this module reports "wait:..." / "run" around
+each collective and store wait; "wait" phases are never judged by the progress rules (the rank
+waits for others, who are judged themselves).
+
+On any of these the watchdog prints ``grf: error: rank R: ...``, publishes the message (peers
+stop within one heartbeat: "stopping because rank R failed: ...") and ends the process with exit
 code 4 (``os._exit``: the main thread may be blocked inside a C++ collective). A collective that
-fails in the main thread (gloo: "connection closed by peer" when a peer dies) first waits a
-few heartbeat intervals to name the rank whose heartbeat stopped, then raises
-``DistributedError`` naming it. So no failure is silent and every rank exits within about
-``timeout_s`` (a dead peer: within a few intervals, as soon as a collective notices).
+fails in the main thread (gloo: "connection closed by peer" when a peer dies) first waits up to
+``dead_after`` to name the rank whose heartbeat stopped (stale for ``max(3 x interval, 2 s)``),
+then raises ``DistributedError`` naming it. So every rank exits naming the culprit within:
+a killed rank, ``dead_after`` (sooner, ~3 intervals, when a peer is in a collective with it);
+a stopped rank, ``dead_after``; a rank stuck in its own code, ``hang_after`` (``warmup_after``
+during warm-up) after its last progress; each plus about two heartbeat periods and scheduling.
+
+Test-only hook: ``GRF_FAULT_SLOW_STEP="STEP:SECONDS[,STEP:SECONDS...]"`` makes the main thread
+sleep SECONDS at the start of the forward pass of those steps (on rank ``GRF_FAULT_RANK`` only
+when that is set): a slow but healthy step (tests/distributed/test_failure_under_load.py).
+
+``grf train --nproc N`` starts each rank through ``rank_main`` (``python -m backends.dist_torch
+train ...``), which records the rank's exit code in ``$GRF_RANK_EXIT_DIR``; ``job_exit_code``
+turns those into the job's exit code (torchrun itself only says 1).
 """
 from __future__ import annotations
 
@@ -46,6 +86,8 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -54,6 +96,42 @@ from gr_functional.tree import tree_items, tree_map, tree_map_with_path
 
 PG_BACKENDS = ("gloo", "nccl", "hccl")
 EXIT_DIST_FAILURE = 4
+HANG_FACTOR = 5.0        # hang_after = max(T, HANG_FACTOR x slowest step)
+WARMUP_FACTOR = 10.0     # warmup_after = WARMUP_FACTOR x T
+FLOOR_S = 5.0            # heartbeat / store silences shorter than this are scheduling, never death
+WARMUP_PHASES = ("checkpoint", "eval", "files")   # runner phases after which the next step warms up again
+EXIT_DIR_ENV = "GRF_RANK_EXIT_DIR"                 # set by `grf train --nproc`: where ranks record exit codes
+SLOW_STEP_ENV = "GRF_FAULT_SLOW_STEP"              # test-only: "STEP:SECONDS,..." (module docstring)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The watchdog's thresholds for ``dist.timeout_s = timeout_s`` (seconds; module docstring)."""
+
+    timeout_s: float
+    interval: float          # heartbeat period
+    dead_after: float        # a peer's heartbeat unchanged this long: died or stopped
+    stale_after: float       # after a collective failed: a heartbeat this stale names the culprit
+    store_down_after: float  # the store unreachable this long: its host is gone
+    warmup_after: float      # no progress this long during warm-up: hung
+    collective_s: float      # process-group timeout (last resort)
+
+    def hang_after(self, slowest_step_s: float) -> float:
+        """No progress this long outside warm-up and waits: hung."""
+        return max(self.timeout_s, HANG_FACTOR * slowest_step_s)
+
+
+def limits(timeout_s: float) -> Limits:
+    """``Limits`` derived from ``dist.timeout_s`` (the rule in the module docstring and README)."""
+    t = float(timeout_s)
+    # heartbeat period: fine enough to name a dead rank within seconds, coarse enough that R ranks
+    # polling one store stay cheap
+    interval = min(5.0, max(0.2, t / 10.0))
+    dead = max(t, FLOOR_S)
+    warmup = WARMUP_FACTOR * t
+    return Limits(timeout_s=t, interval=interval, dead_after=dead, stale_after=max(3 * interval, 2.0),
+                  store_down_after=max(3 * interval, FLOOR_S), warmup_after=warmup,
+                  collective_s=warmup + dead)
 
 
 def _error_cls():
@@ -111,14 +189,16 @@ def init(dist_cfg, device: str = "cpu") -> "TorchCollective":
         torch.cuda.set_device(torch.device(device))
     elif device.startswith("npu"):
         torch.npu.set_device(torch.device(device))  # type: ignore[attr-defined]
-    timeout = datetime.timedelta(seconds=float(dist_cfg.timeout_s))
+    # the collectives' own timeout is only the last resort: the watchdog judges slow, dead and hung
+    # ranks first, by rules that allow a slow first step (a short collective timeout would not)
+    lim = limits(dist_cfg.timeout_s)
     try:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=lim.collective_s))
     except Exception as exc:  # noqa: BLE001 - the store's message says how many joined
         raise Err(f"rank {rank}: the process group ({backend}, {os.environ['WORLD_SIZE']} ranks at "
                   f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) did not form within "
-                  f"dist.timeout_s={dist_cfg.timeout_s:g}: {exc}. Check that every rank was started with "
-                  f"the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE") from exc
+                  f"{lim.collective_s:g} s ({WARMUP_FACTOR:g} x dist.timeout_s + {lim.dead_after:g} s): {exc}. "
+                  f"Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE") from exc
     return TorchCollective(dist_cfg, device)
 
 
@@ -137,10 +217,10 @@ class TorchCollective:
         self.backend = dist.get_backend()
         self.device = torch.device(device)
         self.timeout_s = float(dist_cfg.timeout_s)
+        self.limits = limits(self.timeout_s)
+        self.interval = self.limits.interval
         self.bucket_bytes = max(1, int(float(dist_cfg.bucket_mb) * 2**20))
-        # heartbeat period: fine enough to name a dead rank within seconds, coarse enough that
-        # R ranks polling one store stay cheap
-        self.interval = min(5.0, max(0.2, self.timeout_s / 10.0))
+        self._slow_steps = _slow_steps(self.rank)
         self._ready_order: list[str] | None = None  # leaf paths in the order backward produced them
         self.last_backward_end = 0.0
         self.last_backward_cpu = 0.0
@@ -163,7 +243,9 @@ class TorchCollective:
 
     def _collective_failed(self, what: str, exc: BaseException):
         Err = _error_cls()
-        culprit = self._watchdog.find_dead(wait_s=min(self.timeout_s, max(4 * self.interval, 2.0)))
+        # a killed peer's heartbeat goes stale within stale_after; wait up to dead_after for it (a
+        # loaded machine may delay this rank's watchdog) rather than blame nobody
+        culprit = self._watchdog.find_dead(wait_s=self.limits.dead_after + 2 * self.interval)
         # same wording as the watchdog's own message: whichever path notices first, users read one text
         who = (f"rank {culprit[0]} died or is stopped: no heartbeat for {culprit[1]:.1f} s" if culprit
                else "no rank's heartbeat stopped (a network problem, or a rank exited)")
@@ -214,6 +296,9 @@ class TorchCollective:
                 reducer = _Reducer(self, [p for p, _ in pairs], [leaf for _, leaf in pairs], prior_map)
                 handles = [leaf.register_hook(reducer.hook(i)) for i, (_, leaf) in enumerate(pairs)]
                 try:
+                    delay = self._slow_steps.pop(self.step, 0.0)
+                    if delay:
+                        time.sleep(delay)  # test-only GRF_FAULT_SLOW_STEP: a slow but healthy step
                     out = f(leaves, *args, **kwargs)
                     loss, aux = out if has_aux else (out, None)
                     grads = torch.autograd.grad(loss, [leaf for _, leaf in pairs], allow_unused=True)
@@ -238,20 +323,35 @@ class TorchCollective:
         self._watchdog.progress(phase)
 
     def post(self, tag: str) -> None:
-        self._watchdog.main_store.set(f"posted/{tag}", "1")
+        """Say ``tag`` is done (an epoch's evaluation, the files); the next step warms up again."""
+        self._watchdog.start_warmup()
+        store, since = self._watchdog.main_store, None
+        while True:
+            try:
+                store.set(f"posted/{tag}", "1")
+                return
+            except Exception as exc:  # noqa: BLE001 - a slow store on a loaded machine: retry a while
+                since = since or time.monotonic()
+                if time.monotonic() - since > self.limits.store_down_after:
+                    self._collective_failed(f"posting {tag}", exc)
+                time.sleep(0.1)
 
     def wait_for(self, tag: str) -> None:
         """Block until some rank ``post``-ed ``tag`` (store polling; the watchdog ends this
-        process if the poster dies or hangs meanwhile)."""
+        process if the poster dies or hangs meanwhile). The next step warms up again."""
+        self._watchdog.start_warmup()
         self.progress(f"wait:{tag}")
         store, key = self._watchdog.main_store, f"posted/{tag}"
-        delay = 0.01
+        delay, since = 0.01, None
         while True:
             try:
                 if store.check([key]):
                     break
-            except Exception as exc:  # noqa: BLE001
-                self._collective_failed(f"waiting for {tag}", exc)
+                since = None
+            except Exception as exc:  # noqa: BLE001 - one slow reply is not a lost store
+                since = since or time.monotonic()
+                if time.monotonic() - since > self.limits.store_down_after:
+                    self._collective_failed(f"waiting for {tag}", exc)
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
         self.progress("run")
@@ -270,7 +370,7 @@ class TorchCollective:
         takes a store it hosts away from ranks still using it)."""
         self._watchdog.stop()
         try:
-            self._dist.barrier()
+            self._run("final barrier", lambda: self._dist.barrier())
         finally:
             self._dist.destroy_process_group()
 
@@ -356,13 +456,14 @@ class _Reducer:
 
 
 class _Watchdog(threading.Thread):
-    """Heartbeat writer and failure detector (module docstring). Daemon thread."""
+    """Heartbeat writer and failure detector (module docstring). Daemon thread, independent of the
+    training step: it keeps beating while the main thread computes, compiles or waits."""
 
     def __init__(self, comm: TorchCollective):
         super().__init__(name=f"grf-watchdog-rank{comm.rank}", daemon=True)
         import torch.distributed as dist
 
-        self.comm = comm
+        self.comm, self.limits = comm, comm.limits
         self.rank, self.world = comm.rank, comm.world_size
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # keys of this job and restart only (a restarted torchrun job reuses the agent's store)
@@ -383,15 +484,47 @@ class _Watchdog(threading.Thread):
         self._halt = threading.Event()
         now = time.monotonic()
         self.seen_beat = {r: (None, now) for r in range(self.world)}
-        self.seen_prog = {r: (None, now, "setup", 0) for r in range(self.world)}
+        self.seen_step = {r: ("0", "setup") for r in range(self.world)}
         self.own_prog_time = now
+        self.last_round = now          # the last completed heartbeat round trip with the store
+        self.store_error = "no reply"  # why the last round failed, for the message
+        # step timing (under self._lock): steps begun since the last warm-up start, when the
+        # current one began, the slowest step judged by hang_after so far
+        self._steps_since_warmup = 0
+        self._step_start = now
+        self.slowest_step = 0.0
         self._publish()
 
     def progress(self, phase: str) -> None:
+        now = time.monotonic()
         with self._lock:
             self._progress += 1
             self._phase = phase
-            self.own_prog_time = time.monotonic()
+            self.own_prog_time = now
+            if phase in WARMUP_PHASES:
+                self._steps_since_warmup = 0
+            elif phase == "step":
+                self._steps_since_warmup += 1
+                if self._steps_since_warmup >= 3:  # the step that just ended was past warm-up: measure it
+                    self.slowest_step = max(self.slowest_step, now - self._step_start)
+                self._step_start = now
+
+    def start_warmup(self) -> None:
+        """The next step is a first step again (after evaluation, an epoch end): judged only by
+        ``warmup_after`` until the step after it begins."""
+        with self._lock:
+            self._steps_since_warmup = 0
+
+    def own_limit(self) -> tuple[float, str]:
+        """This rank's current no-progress limit and the rule that gave it (for the message)."""
+        lim = self.limits
+        with self._lock:
+            warm, slowest = self._steps_since_warmup < 2, self.slowest_step
+        if warm:
+            return lim.warmup_after, (f"warm-up limit {WARMUP_FACTOR:g} x dist.timeout_s={lim.timeout_s:g}: the "
+                                      f"first step after start, resume, checkpoint or evaluation")
+        return lim.hang_after(slowest), (f"limit max(dist.timeout_s={lim.timeout_s:g}, {HANG_FACTOR:g} x slowest "
+                                         f"step so far {slowest:.2f} s)")
 
     def _publish(self) -> None:
         with self._lock:
@@ -405,16 +538,18 @@ class _Watchdog(threading.Thread):
             self.join(timeout=2 * self.comm.interval + 1)
 
     def find_dead(self, wait_s: float) -> tuple[int, float] | None:
-        """A peer whose heartbeat has not changed for > 3 intervals, waiting up to ``wait_s`` for
-        one to appear (called after a collective failed): ``(rank, seconds)`` or None."""
+        """A peer whose heartbeat has not changed for > ``stale_after``, waiting up to ``wait_s``
+        for one to appear (called after a collective failed): ``(rank, seconds)`` or None."""
         deadline = time.monotonic() + wait_s
         while True:
+            if not self.is_alive():  # stopped (shutdown): seen_beat no longer advances, blame nobody
+                return None
             now = time.monotonic()
             stale = [(r, now - t) for r, (_, t) in self.seen_beat.items()
-                     if r != self.rank and now - t > 3 * self.comm.interval]
+                     if r != self.rank and now - t > self.limits.stale_after]
             if stale:
                 return max(stale, key=lambda x: x[1])
-            if now >= deadline or not self.is_alive():
+            if now >= deadline:
                 return None
             time.sleep(0.05)
 
@@ -423,58 +558,159 @@ class _Watchdog(threading.Thread):
         try:
             print(text, file=sys.stderr, flush=True)
         finally:
-            self.comm.fail(message)
+            # publish the failure, but never wait on a store that may be the thing that is gone
+            # (a stopped store host leaves some store calls blocked whatever their timeout)
+            publish = threading.Thread(target=self.comm.fail, args=(message,), daemon=True)
+            publish.start()
+            publish.join(timeout=2 * self.limits.interval + 1)
+            _record_exit(EXIT_DIST_FAILURE)
             os._exit(EXIT_DIST_FAILURE)
+
+    def _watch_store(self) -> None:
+        """Second thread: the store is lost when no heartbeat round completed for
+        ``store_down_after``, whether its calls fail (host dead) or block (host stopped)."""
+        lim = self.limits
+        while not self._halt.wait(lim.interval):
+            silent = time.monotonic() - self.last_round
+            if silent > lim.store_down_after:
+                self._die(f"lost the rendezvous store at {self.addr}:{self.port}: no reply for {silent:.1f} s "
+                          f"({self.store_error}; limit max(3 heartbeat periods, {FLOOR_S:g} s)); it lives in rank 0 "
+                          f"(or the torchrun agent on its host), which has probably died or is stopped")
 
     def run(self) -> None:
         keys = [f"hb/{r}" for r in range(self.world)]
-        store_down_since = None
-        timeout, interval = self.comm.timeout_s, self.comm.interval
-        while not self._halt.wait(interval):
+        lim = self.limits
+        self.last_round = time.monotonic()  # the barrier since __init__ may have been slow: not a silence
+        threading.Thread(target=self._watch_store, name=f"grf-store-watch-rank{self.rank}", daemon=True).start()
+        while not self._halt.wait(lim.interval):
             try:
                 self._publish()
                 values = self.store.multi_get(keys)
                 failures = int(self.store.add("failures", 0))
                 failure = self.store.get("failure").decode() if failures else ""
-                store_down_since = None
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - judged by _watch_store: one slow reply is not a loss
                 if self._halt.is_set():
                     return
-                now = time.monotonic()
-                store_down_since = store_down_since or now
-                if now - store_down_since > 3 * interval:
-                    self._die(f"lost the rendezvous store at {self.addr}:{self.port} for "
-                              f"{now - store_down_since:.1f} s ({exc}); it lives in rank 0 (or the torchrun "
-                              f"agent on its host), which has probably died")
+                self.store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 continue
-            now = time.monotonic()
+            now = time.monotonic()  # judged on this rank's clock only
+            self.last_round = now
             if failure:
                 who, _, msg = failure.partition("\t")
                 if who != str(self.rank):
                     self._die(f"stopping because rank {who} failed: {msg}")
             for r, raw in enumerate(values):
-                beat, prog, step, phase = raw.decode().split("\t", 3)
+                beat, _prog, step, phase = raw.decode().split("\t", 3)
                 if beat != self.seen_beat[r][0]:
                     self.seen_beat[r] = (beat, now)
-                if prog != self.seen_prog[r][0]:
-                    self.seen_prog[r] = (prog, now, phase, step)
-                else:
-                    self.seen_prog[r] = (prog, self.seen_prog[r][1], phase, step)
+                self.seen_step[r] = (step, phase)
+            # hung: judged by the rank itself (its phase and step times, its clock); the peers
+            # hear of it through the failure key within one heartbeat
             with self._lock:
                 own_idle, own_phase = now - self.own_prog_time, self._phase
-            if not own_phase.startswith("wait") and own_idle > timeout:
-                self._die(f"this rank hung: no progress for {own_idle:.1f} s in phase {own_phase!r} at step "
-                          f"{self.comm.step} (dist.timeout_s={timeout:g}); the other ranks are stopping too")
+            if not own_phase.startswith("wait"):
+                limit, rule = self.own_limit()
+                if own_idle > limit:
+                    self._die(f"this rank hung: no progress for {own_idle:.1f} s in phase {own_phase!r} at step "
+                              f"{self.comm.step} ({rule} = {limit:.1f} s); the other ranks are stopping too")
             for r in range(self.world):
                 if r == self.rank:
                     continue
-                _, t_beat = self.seen_beat[r]
-                _, t_prog, phase, step = self.seen_prog[r]
-                if now - t_beat > timeout:
-                    self._die(f"rank {r} died or is stopped: no heartbeat for {now - t_beat:.1f} s (last seen at "
-                              f"step {step}, phase {phase!r}; dist.timeout_s={timeout:g})")
-                # "hung" needs a live heartbeat: a rank whose heartbeat stopped too is dead or
-                # stopped, and the rule above names it so once its silence reaches timeout_s
-                if not phase.startswith("wait") and now - t_prog > timeout and now - t_beat <= 3 * interval:
-                    self._die(f"rank {r} hung: no progress for {now - t_prog:.1f} s in phase {phase!r} at step "
-                              f"{step} while this rank waits for it (dist.timeout_s={timeout:g})")
+                silent = now - self.seen_beat[r][1]
+                if silent > lim.dead_after:
+                    step, phase = self.seen_step[r]
+                    self._die(f"rank {r} died or is stopped: no heartbeat for {silent:.1f} s (last seen at step "
+                              f"{step}, phase {phase!r}; limit max(dist.timeout_s={lim.timeout_s:g}, {FLOOR_S:g} s))")
+
+
+# ----------------------------------------------------------------------------- test hook, launcher
+def _slow_steps(rank: int) -> dict[int, float]:
+    """Test-only ``GRF_FAULT_SLOW_STEP="STEP:SECONDS,..."`` (limited to rank ``GRF_FAULT_RANK`` when
+    set): step -> seconds the main thread sleeps at the start of that step's forward pass."""
+    spec = os.environ.get(SLOW_STEP_ENV, "")
+    only = os.environ.get("GRF_FAULT_RANK")
+    if not spec or (only is not None and only != str(rank)):
+        return {}
+    try:
+        return {int(step): float(sec) for step, _, sec in (item.partition(":") for item in spec.split(","))}
+    except ValueError:
+        raise _error_cls()(f"rank {rank}: {SLOW_STEP_ENV}={spec!r} is not STEP:SECONDS[,STEP:SECONDS...]") from None
+
+
+def _record_exit(value) -> None:
+    """Write this rank's exit code (or "started") to ``$GRF_RANK_EXIT_DIR/rank-RANK`` when the
+    launcher asked for it; best effort (a missing file reads as "no exit code")."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if not folder:
+        return
+    path = Path(folder) / f"rank-{os.environ.get('RANK', '0')}"
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    """One rank of ``grf train --nproc N`` (``python -m backends.dist_torch train ...``):
+    ``gr_functional.cli.main`` with its exit code recorded by ``_record_exit`` ("started" first),
+    so the launcher can tell a rank's own error from a rank that was killed."""
+    _record_exit("started")
+    code: Any = "started"  # stays so on KeyboardInterrupt: like a signal, no exit code of its own
+    try:
+        from gr_functional.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors (2), sys.exit elsewhere
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        raise
+    except Exception:  # an unexpected error: Python prints the traceback and exits 1
+        code = 1
+        raise
+    finally:
+        _record_exit(code)
+    return code
+
+
+def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
+    """``(exit code, reason)`` of ``grf train --nproc N`` from torchrun's exit code and what the
+    ranks recorded in ``folder``. 0 when torchrun succeeded. Else, first match: a rank's user error
+    2; a NaN abort 3; any other code a rank returned except 4, the lowest (1: an unexpected error,
+    5: a failed write; the rank that had it is the root cause, its peers only exit 4); 4 when
+    the failures are only ranks that exited 4 (a peer died or hung) or ended without an exit
+    code (killed by a signal, or stopped by torchrun after another rank failed); torchrun's own
+    code when no rank started, or every rank exited 0."""
+    if launcher_code == 0:
+        return 0, "every rank exited 0"
+    recorded: dict[int, int | None] = {}
+    for r in range(nproc):
+        try:
+            text = (Path(folder) / f"rank-{r}").read_text().strip()
+        except OSError:
+            continue
+        recorded[r] = int(text) if text.lstrip("-").isdigit() else None
+    if not recorded:
+        return launcher_code, "no rank started: torchrun failed before starting them"
+    parts = [f"rank {r} " + (f"exited {recorded[r]}" if recorded.get(r) is not None else
+                             "never started" if r not in recorded else
+                             "ended without an exit code (killed by a signal, or stopped by torchrun after "
+                             "another rank failed)") for r in range(nproc)]
+    why = "; ".join(parts)
+    codes = set(recorded.values())
+    for wanted in (2, 3):
+        if wanted in codes:
+            return wanted, why
+    other = sorted(c for c in codes if c not in (None, 0, EXIT_DIST_FAILURE))
+    if other:
+        return other[0], why
+    if EXIT_DIST_FAILURE in codes or None in codes or len(recorded) < nproc:
+        return EXIT_DIST_FAILURE, why
+    return launcher_code, why + "; torchrun itself failed"
+
+
+if __name__ == "__main__":
+    # run through the canonical module, not this __main__ copy: the watchdog's _die records there
+    from backends.dist_torch import rank_main as _rank_main
+
+    sys.exit(_rank_main())

@@ -49,9 +49,7 @@ class JaxBackend(Backend):
         ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan) or
         "reference" (padded dense, the oracle)."""
         super().__init__(device, dtype)
-        if hstu_kernel not in ("jagged", "tiled", "reference"):
-            raise ValueError(f"backend.hstu_kernel for jax must be 'jagged', 'tiled' or 'reference', got {hstu_kernel!r}")
-        self.attention_kernel = hstu_kernel
+        self.attention_kernel = self.check_hstu_kernel(hstu_kernel)
         import jax
         import jax.numpy as jnp
 

@@ -36,10 +36,7 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"backend 'torch' on device {device!r}: this torch ({torch.__version__}) "
                                      f"sees no CUDA GPU; use backend.device=cpu, or install a CUDA build of "
                                      f"torch on a machine with a GPU")
-        if hstu_kernel not in ("jagged", "tiled", "reference", "triton"):
-            raise ValueError(f"backend.hstu_kernel for torch must be 'jagged', 'tiled', 'reference' or 'triton', "
-                             f"got {hstu_kernel!r}")
-        self.attention_kernel = hstu_kernel
+        self.attention_kernel = self.check_hstu_kernel(hstu_kernel)
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
         self._triton_attention = None

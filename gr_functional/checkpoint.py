@@ -49,6 +49,34 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, damaged or does not fit this run; the message names the file."""
 
 
+class NonFiniteState(CheckpointError):
+    """Params or optimizer state hold NaN/Inf: such a state is never written (it would poison
+    every resume) and a checkpoint holding one is never resumed from."""
+
+
+class WriteError(OSError):
+    """A file under OUT could not be written (read-only folder, full disk, file-size limit); the
+    message names the file and the OS's reason. No partial file is left that a resume trusts."""
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(code, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def first_non_finite(tree: dict | None, prefix: str = "") -> str | None:
+    """The path of the first leaf of a numpy tree holding NaN/Inf, or None when all are finite."""
+    if tree is None:
+        return None
+    for key, leaf in tree_items(tree):
+        arr = np.asarray(leaf)
+        if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+            return prefix + key
+    return None
+
+
 # ----------------------------------------------------------------------------- fault injection
 def fault_point(name: str, step: int) -> None:
     """Test hook for crash tests: with ``GRF_FAULT=NAME@STEP`` in the environment, print
@@ -91,9 +119,10 @@ _MODE = _file_mode()
 
 def atomic_write_bytes(path: Path, data: bytes, *, fault_step: int | None = None) -> None:
     """Write ``data`` to ``path`` via a hidden temp file in the same folder, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, _MODE) if hasattr(os, "fchmod") else None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -103,9 +132,22 @@ def atomic_write_bytes(path: Path, data: bytes, *, fault_step: int | None = None
             fault_point("checkpoint-tmp", fault_step)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as exc:
+        raise write_error(path, exc) from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if tmp is not None and os.path.exists(tmp):
+            try:
+                os.remove(tmp)  # never renamed: not a checkpoint, whatever it holds
+            except OSError:
+                pass
+
+
+def write_error(path: Path, exc: OSError) -> WriteError:
+    """``exc`` as a ``WriteError`` naming ``path`` and the OS's reason (errno text)."""
+    if isinstance(exc, WriteError):
+        return exc
+    reason = exc.strerror or str(exc)
+    return WriteError(exc.errno, f"cannot write {path}: {reason}" + (f" [errno {exc.errno}]" if exc.errno else ""))
 
 
 def _sha256(buf) -> str:
@@ -211,6 +253,15 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     return Checkpoint(params, opt_state, cfg, meta, path)
 
 
+def check_finite(ck: Checkpoint) -> Checkpoint:
+    """``ck``, or ``NonFiniteState`` naming the file and the first NaN/Inf tensor (a diverged run
+    written by a version without the parameter guard)."""
+    bad = first_non_finite(ck.params, "params.") or first_non_finite(ck.opt_state, "opt.")
+    if bad is not None:
+        raise NonFiniteState(f"checkpoint {ck.path} holds non-finite numbers ({bad}): a diverged state")
+    return ck
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict, dict | None, Config, dict]:
     """``(params, opt_state or None, config, meta)`` as numpy trees, checksums verified."""
     ck = read_checkpoint(path)
@@ -269,17 +320,26 @@ class CheckpointDir:
         return {"format": INDEX_FORMAT, "checkpoints": []}
 
     def save(self, params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict) -> Path:
+        """Write checkpoint ``meta["step"]``; raises ``NonFiniteState`` (writing nothing) when the
+        params or optimizer state hold NaN/Inf, so every checkpoint in the folder is finite and
+        retention, which keeps the newest ones, never deletes the newest finite one."""
         step = int(meta["step"])
         path = self.path_for(step)
+        bad = first_non_finite(params_np, "params.") or first_non_finite(opt_state_np, "opt.")
+        if bad is not None:
+            raise NonFiniteState(f"refusing to write checkpoint {path}: {bad} holds NaN/Inf")
         data = serialize_checkpoint(params_np, opt_state_np, cfg, meta)
         atomic_write_bytes(path, data, fault_step=step)
-        self._link_last(path, data)
-        removed = self._prune(step)
+        try:
+            self._link_last(path, data)
+            removed = self._prune(step)
+        except OSError as exc:  # the checkpoint itself is written and valid; say what failed after it
+            raise write_error(self.last_path, exc) from None
         entries = [e for e in self.read_index()["checkpoints"]
                    if e.get("file") != path.name and (self.folder / str(e.get("file"))).is_file()
                    and e.get("file") not in removed]
         entries.append({"file": path.name, "step": step, "epoch": meta.get("epoch"), "reason": meta.get("reason"),
-                        "bytes": len(data), "sha256": _sha256(data)})
+                        "bytes": len(data), "sha256": _sha256(data), "finite": True})
         entries.sort(key=lambda e: e["step"])
         index = {"format": INDEX_FORMAT, "latest": path.name, "checkpoints": entries}
         atomic_write_bytes(self.index_path, (json.dumps(index, indent=1) + "\n").encode())
@@ -308,16 +368,35 @@ class CheckpointDir:
             removed.add(p.name)
         return removed
 
-    def latest_valid(self) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
-        """The newest checkpoint that loads and verifies, and ``[(path, reason)]`` of the newer ones
-        skipped (truncated, corrupted, unreadable)."""
+    def latest_valid(self, accept=None) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that loads, verifies and holds only finite numbers, and
+        ``[(path, reason)]`` of the newer ones skipped (truncated, corrupted, unreadable,
+        non-finite). ``accept(checkpoint)``, if given, returns None to take a checkpoint or a
+        reason to skip it (a checkpoint of another config)."""
         skipped = []
         for _, path in self.steps():
             try:
-                return read_checkpoint(path), skipped
+                ck = read_checkpoint(path)
+                check_finite(ck)
             except CheckpointError as exc:
                 skipped.append((path, str(exc)))
+                continue
+            reason = accept(ck) if accept is not None else None
+            if reason is None:
+                return ck, skipped
+            skipped.append((path, reason))
         return None, skipped
+
+    def describe_latest(self) -> str:
+        """``"PATH (step N)"`` of the newest valid checkpoint, or a sentence saying there is none:
+        for error messages that must tell the user where their work is."""
+        try:
+            ck, _ = self.latest_valid()
+        except OSError:
+            ck = None
+        if ck is None:
+            return f"none in {self.folder}"
+        return f"{ck.path} (step {ck.step}, epoch {ck.meta.get('epoch')})"
 
     def clear(self) -> int:
         """Delete every checkpoint, the index, ``last`` and temp files (``grf train --fresh``);

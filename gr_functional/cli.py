@@ -9,15 +9,19 @@
     grf bench attention|mfu|throughput|profile|balance|calibrate|dist_imbalance [--json] ...
     grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
 
-Exit codes: 0 done, 2 user error (nothing written), 3 aborted by the NaN/Inf guard, 4 a
-data-parallel rank died or hung (the message names it). Under torchrun every rank prints its
-own errors prefixed with its rank; only rank 0 prints the result.
+Exit codes: 0 done, 2 user error (nothing written; also: the run folder is in use by another run),
+3 the model diverged (NaN/Inf or exploding steps, or non-finite evaluation scores; the last
+healthy checkpoint is named), 4 a data-parallel rank died or hung (the message names it), 5 a
+file could not be written (read-only folder, full disk, file-size limit; the last intact
+checkpoint is named). Under torchrun every rank prints its own errors prefixed with its rank;
+only rank 0 prints the result.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -26,15 +30,26 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torc
 DEFAULT_CONFIG = "quickstart"
 
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+
+
 def _config_path(text: str | None) -> Path | None:
-    """A config file path, or a bare name from the packaged experiments/configs/."""
+    """A config file path, or a bare name from the packaged experiments/configs/; a name that is
+    neither is an error listing the packaged configs."""
     if text is None:
         return None
     path = Path(text)
-    if path.exists() or path.suffix == ".toml":
+    if path.exists():
         return path
-    packaged = Path(__file__).resolve().parent.parent / "experiments" / "configs" / f"{text}.toml"
-    return packaged if packaged.exists() else path
+    packaged = PACKAGED_CONFIGS / f"{path.stem if path.suffix == '.toml' else text}.toml"
+    if path.suffix != ".toml" or len(path.parts) == 1:
+        if packaged.exists():
+            return packaged
+    from .config import ConfigError
+
+    names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
+    raise ConfigError(f"--config {text}: no such file, and no packaged config of that name; packaged configs: "
+                      f"{', '.join(names)} (in {PACKAGED_CONFIGS})")
 
 
 def _load(args):
@@ -42,7 +57,7 @@ def _load(args):
 
     overrides = list(args.set or [])
     if getattr(args, "backend", None):
-        overrides.append(f"backend.name={args.backend}")
+        overrides.append((f"--backend {args.backend}", f"backend.name={args.backend}"))
     return load_config(_config_path(args.config), overrides)
 
 
@@ -55,9 +70,15 @@ def _launched_rank() -> int | None:
 
 def _launch(args, cfg, out: Path, nproc: int) -> int:
     """``grf train --nproc N``: run this same command as N ranks on this host under
-    ``torch.distributed.run`` (torchrun) with a free local port. Returns torchrun's exit code
-    (non-zero when any rank failed; each rank's own message names it)."""
+    ``torch.distributed.run`` (torchrun) with a free local port. Each rank records its exit code
+    (``backends.dist_torch.rank_main``), since torchrun only says 1 whatever failed; returns
+    ``dist_torch.job_exit_code``: 0, or 2 (a rank's user error), 3 (diverged), a rank's other
+    code (1: an unexpected error, 5: a write failure), 4 (a rank died, was killed or hung). Each
+    rank's own message names it."""
     import subprocess
+    import tempfile
+
+    from backends import dist_torch
 
     from .config import ConfigError
     from .runner import DIST_TORCH_BACKENDS, validate
@@ -77,14 +98,17 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     argv += ["--set", f"dist.nproc={nproc}"]
     argv += ["--quiet"] if args.quiet else []
     argv += ["--resume"] if args.resume else ["--fresh"] if args.fresh else []
+    # backends.dist_torch runs gr_functional.cli's main and records the rank's exit code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", "gr_functional.cli", *argv]
+           "--max-restarts=0", "-m", "backends.dist_torch", *argv]
     print(f"grf: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    code = subprocess.call(cmd)
+    with tempfile.TemporaryDirectory(prefix="grf-ranks-") as exit_dir:
+        code = subprocess.call(cmd, env={**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir})
+        job, why = dist_torch.job_exit_code(code, exit_dir, nproc)
     if code != 0:
-        print(f"grf: error: the {nproc}-rank run failed (torchrun exit {code}); the messages above name the "
-              f"failing rank", file=sys.stderr)
-    return code
+        print(f"grf: error: the {nproc}-rank run failed (torchrun exit {code}; {why}): exit {job}; the messages "
+              f"above name the failing rank", file=sys.stderr)
+    return job
 
 
 def cmd_train(args) -> int:
@@ -114,9 +138,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from .checkpoint import atomic_write_bytes
     from .runner import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(args.checkpoint, args.backend, args.split), indent=1))
+    result = evaluate_checkpoint(args.checkpoint, args.backend, args.split)
+    text = json.dumps(result, indent=1)
+    ck = Path(args.checkpoint)
+    out = Path(args.out) if args.out else ck.with_name(f"{ck.stem}.eval-{args.split}-{result['backend']}.json")
+    atomic_write_bytes(out, (text + "\n").encode())
+    print(text)
+    print(f"grf: wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -239,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--backend", help="backend to evaluate on (default: the one in the checkpoint's config)")
     e.add_argument("--split", default="test", choices=["test", "valid"])
+    e.add_argument("--out", help="JSON file for the result (default: beside the checkpoint, "
+                                 "CHECKPOINT.eval-SPLIT-BACKEND.json)")
     e.set_defaults(fn=cmd_eval)
 
     c = sub.add_parser("crosscheck", help="compare two backends layer by layer on the same params and batch")
@@ -284,15 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         args.config = DEFAULT_CONFIG
     from backends import BackendUnavailable
 
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, WriteError
     from .config import ConfigError
     from .jagged import JaggedError
+    from .report import ReportError
+    from .runlock import RunLocked
     from .runner import DistributedError, TrainingAborted
 
-    from .report import ReportError
-
     user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError,
-                          ReportError)
+                          ReportError, RunLocked)
     try:
         from .data.loaders import DataError
         user_errors += (DataError,)
@@ -300,8 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         pass
     rank = _launched_rank()
     who = "" if rank is None else f"rank {rank}: "  # every rank of a torchrun job prints its own errors
+    if hasattr(signal, "SIGXFSZ"):
+        # past a file-size limit (ulimit -f) a write then fails with EFBIG, which the writers
+        # report (exit 5, naming the file), instead of the signal killing the process mid-write
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `grf report ... | head`: the reader left; not an error. Point stdout at devnull so
+        # the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except WriteError as exc:  # before user_errors: a WriteError is an OSError, not a user error
+        print(f"grf: error: {who}{exc}", file=sys.stderr)
+        return 5
     except user_errors as exc:
         print(f"grf: error: {who}{exc}", file=sys.stderr)
         return 2

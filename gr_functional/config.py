@@ -1,60 +1,115 @@
 """Typed run configuration: frozen dataclasses filled from a TOML file and ``--set`` overrides.
 
-The schema lives here (typed, documented); TOML files hold values. Unknown sections or keys
-and values of the wrong type are errors that name the file and key and list the valid keys.
+The schema lives here (typed, documented); TOML files hold values. Every value is checked when
+the config is built, before anything runs: its type; keys with a fixed set of values are
+``Literal`` types (the error lists them); numbers have declared ranges (``_range``; floats must
+also be finite); ``validate`` checks the rules that join several keys. Errors name where the
+value came from (the TOML file, ``--set key=value`` or a checkpoint's embedded config), the key,
+and the fix; an unknown key suggests the nearest valid one.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and how to fix it."""
 
 
+# ----------------------------------------------------------------------------- choices
+# Keys with a fixed set of values, declared once; everything else (datasets, backends, the CLI)
+# reads them from here.
+Dataset = Literal["synthetic", "ml-1m", "ml-20m", "kuairand"]
+BackendName = Literal["torch", "jax", "npu"]
+Dtype = Literal["float32", "float64"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Deterministic = Literal["auto", "on", "off"]
+HstuKernel = Literal["default", "jagged", "tiled", "reference", "triton", "auto", "mxrec"]
+DistBackend = Literal["gloo", "nccl", "hccl"]
+DistBalance = Literal["none", "kk", "lookahead"]
+
+# backend.hstu_kernel names each backend accepts ("default": the backend's own choice)
+HSTU_KERNELS = {"torch": ("default", "jagged", "tiled", "reference", "triton"),
+                "jax": ("default", "jagged", "tiled", "reference"),
+                "npu": ("default", "auto", "mxrec", "triton", "reference")}
+
+
+def choices(literal) -> tuple[str, ...]:
+    """The allowed values of a ``Literal`` type: ``choices(Precision) == ("fp32", "bf16", "fp16")``."""
+    return typing.get_args(literal)
+
+
+def _range(default, *, ge=None, gt=None, le=None, lt=None):
+    """A numeric field with its allowed range (checked by ``build_config``; floats must also be
+    finite). ``ge``/``gt``/``le``/``lt``: >=, >, <=, < bounds."""
+    return field(default=default, metadata={"range": {"ge": ge, "gt": gt, "le": le, "lt": lt}})
+
+
+_OPS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+        "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def _range_text(bounds: dict) -> str:
+    return " and ".join(f"{_OPS[op][0]} {b:g}" for op, b in bounds.items() if b is not None)
+
+
+def _check_range(value, bounds: dict, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number {_range_text(bounds)}, got {value!r}")
+    for op, b in bounds.items():
+        if b is not None and not _OPS[op][1](value, b):
+            raise ConfigError(f"{where}: must be {_range_text(bounds)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "synthetic"      # synthetic | ml-1m | ml-20m | kuairand
+    dataset: Dataset = "synthetic"
     path: str = ""                  # data file or folder; "" = the dataset's default under GRF_DATA_DIR
-    seed: int = 0                   # synthetic generator seed
-    synthetic_users: int = 2000
-    synthetic_items: int = 3000
-    synthetic_max_events: int = 400  # real KuaiRand-27K lengths, truncated here
-    zipf_a: float = 1.05             # item popularity exponent of the synthetic generator
+    seed: int = _range(0, ge=0)     # synthetic generator seed
+    synthetic_users: int = _range(2000, ge=1)
+    synthetic_items: int = _range(3000, ge=1)
+    synthetic_max_events: int = _range(400, ge=1)  # real KuaiRand-27K lengths, truncated here
+    zipf_a: float = _range(1.05, ge=0.0)  # item popularity exponent of the synthetic generator
     # GR trains on all but each user's last item, so the validation target (second to last) is
     # also a training target; false trains on all but the last two (an unleaked validation split).
     valid_in_train: bool = True
+    # Item ids remapped to 1..K (K distinct ids, in increasing order of the original id): for raw ids
+    # that are hashes or sparse (a table of max_id + 1 rows would not fit).
+    remap_items: bool = False
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_items: int = 0              # item ids are 1..num_items (0 = padding); 0 = take from the data
-    embed_dim: int = 50
-    num_blocks: int = 2
-    num_heads: int = 1
-    dqk: int = 50                   # per-head query/key width
-    dv: int = 50                    # per-head value width
-    max_len: int = 200              # history truncated to the most recent max_len events
-    max_output_len: int = 11        # GR: attention normaliser n = max_len + max_output_len (211 on ML)
-    num_time_buckets: int = 128
+    num_items: int = _range(0, ge=0)  # item ids are 1..num_items (0 = padding); 0 = take from the data
+    embed_dim: int = _range(50, ge=1)
+    num_blocks: int = _range(2, ge=1)
+    num_heads: int = _range(1, ge=1)
+    dqk: int = _range(50, ge=1)     # per-head query/key width
+    dv: int = _range(50, ge=1)      # per-head value width
+    max_len: int = _range(200, ge=1)  # history truncated to the most recent max_len events
+    max_output_len: int = _range(11, ge=0)  # GR: attention normaliser n = max_len + max_output_len (211 on ML)
+    num_time_buckets: int = _range(128, ge=1)
     pos_bias: bool = True           # relative position attention bias
     time_bias: bool = True          # relative (log-bucketed) time attention bias
-    input_dropout: float = 0.2
-    linear_dropout: float = 0.2
-    temperature: float = 0.05
-    num_negatives: int = 128
-    ln_eps: float = 1e-6
-    l2_eps: float = 1e-6
+    input_dropout: float = _range(0.2, ge=0.0, lt=1.0)
+    linear_dropout: float = _range(0.2, ge=0.0, lt=1.0)
+    # logits are cosine / temperature: 0 divides by zero (the loss is undefined)
+    temperature: float = _range(0.05, gt=0.0)
+    num_negatives: int = _range(128, ge=1)
+    ln_eps: float = _range(1e-6, gt=0.0)   # 0: a constant row divides 0 by 0
+    l2_eps: float = _range(1e-6, gt=0.0)
     # Chunk length of the jagged attention's tile plan (Jagged.with_tiles), built with every batch;
     # backends with hstu_kernel "jagged" (the torch/jax default) then skip all padding. Layout
     # only: results are the same for any value up to float rounding. 0 = no plan (padded
     # attention); -1 = auto (``tile``: ~8 chunks per full-length sequence, measured fastest on CPU).
-    attention_tile: int = -1
+    attention_tile: int = _range(-1, ge=-1)
 
     @property
     def norm_len(self) -> int:
@@ -75,69 +130,86 @@ class ModelConfig:
         return (h * self.dv, h * self.dv, h * self.dqk, h * self.dqk)
 
 
+Schedule = Literal["constant", "cosine", "linear"]
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = _range(1e-3, ge=0.0)
+    # Learning-rate schedule (gr_functional/optim.py learning_rate), a function of the update
+    # count t = 1, 2, ... held in the optimizer state (so a resume continues it exactly): a linear
+    # warmup from 0 to lr over warmup_steps updates (0 = none), then "constant" lr, or a "cosine"
+    # or "linear" decay from lr to lr * end_lr_factor over decay_steps updates (then flat).
+    schedule: Schedule = "constant"
+    warmup_steps: int = _range(0, ge=0)
+    decay_steps: int = _range(0, ge=0)
+    end_lr_factor: float = _range(0.0, ge=0.0, le=1.0)
+    beta1: float = _range(0.9, ge=0.0, lt=1.0)
+    beta2: float = _range(0.98, ge=0.0, lt=1.0)
+    eps: float = _range(1e-8, gt=0.0)
+    weight_decay: float = _range(0.0, ge=0.0)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 42
-    epochs: int = 101
-    batch_size: int = 128           # sequences per step
-    max_tokens: int = 0             # token budget per step instead of a fixed count (0 = off)
-    max_steps: int = 0              # stop after this many steps (0 = no limit)
-    eval_every: int = 1             # epochs between evaluations
-    log_every: int = 10             # steps between metrics.jsonl lines
+    seed: int = _range(42, ge=0)
+    epochs: int = _range(101, ge=1)
+    batch_size: int = _range(128, ge=1)  # sequences per step
+    max_tokens: int = _range(0, ge=0)  # token budget per step instead of a fixed count (0 = off)
+    max_steps: int = _range(0, ge=0)  # stop after this many steps (0 = no limit)
+    eval_every: int = _range(1, ge=1)  # epochs between evaluations
+    log_every: int = _range(10, ge=1)  # steps between metrics.jsonl lines
     # Checkpoints (README "Reliability"): one at the end of every epoch and of the run, plus one
     # every checkpoint_every optimizer steps (0 = epoch ends only). Each is an atomic, checksummed
     # OUT/checkpoints/step-NNNNNNNN.safetensors; the newest keep_checkpoints are kept (0 = all).
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
+    checkpoint_every: int = _range(0, ge=0)
+    keep_checkpoints: int = _range(3, ge=0)
     # Gradient accumulation: one optimizer step per `accumulate` consecutive loader batches, with
     # the loss normalised by the supervised tokens of all of them (a k-times larger batch).
-    accumulate: int = 1
+    accumulate: int = _range(1, ge=1)
     # NaN/Inf guard: a step whose loss or gradient is not finite is skipped (params and optimizer
     # state unchanged) and logged; this many skipped steps in a row abort the run after saving
     # the last good state (0 = never abort).
-    max_bad_steps: int = 5
+    max_bad_steps: int = _range(5, ge=0)
+    # Divergence guard on the parameters: a step whose update is not finite, or moves the
+    # parameters by more than max_update_ratio times their norm (global L2 norms,
+    # ||new - old|| / ||old||), is skipped like a non-finite one and counts towards
+    # max_bad_steps, so a finite but exploding update (optim.lr far too high) never reaches the
+    # parameters or a checkpoint. GR's ML-1M recipe moves them by <= 0.03 per step. 0 = off.
+    max_update_ratio: float = _range(1.0, ge=0.0)
     # fp16 dynamic loss scaling (backend.precision = "fp16" only): the initial scale, halved on
     # every overflow, doubled after loss_scale_window overflow-free steps (torch GradScaler's rule).
-    loss_scale: float = 65536.0
-    loss_scale_window: int = 2000
+    loss_scale: float = _range(65536.0, ge=1.0)
+    loss_scale_window: int = _range(2000, ge=1)
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    batch_size: int = 256
+    batch_size: int = _range(256, ge=1)
     ks: tuple[int, ...] = (10, 50, 200)
-    max_users: int = 0              # evaluate the first N users only (0 = all)
+    max_users: int = _range(0, ge=0)  # evaluate the first N users only (0 = all)
 
 
 @dataclass(frozen=True)
 class BackendConfig:
-    name: str = "torch"             # jax | torch | npu
+    name: BackendName = "torch"
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     # HSTU attention kernel: "default" (the backend's own choice: "jagged" on torch/jax, mxrec or
     # Triton on npu), or a backend-specific name (torch: "jagged" | "tiled" | "reference" |
     # "triton"; jax: "jagged" | "tiled" | "reference"; npu: "auto" | "mxrec" | "triton" |
     # "reference"). "jagged" runs the no-padding tiles where they save enough work, "tiled" always.
-    hstu_kernel: str = "default"
+    hstu_kernel: HstuKernel = "default"
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
     # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     # Deterministic kernels (torch.use_deterministic_algorithms; JAX on CPU already is): a run and
     # its resumed twin then write identical metrics.jsonl files. "auto" (default): on for CPU
     # devices, where it is nearly free, off on accelerators, where torch's deterministic index
     # backward made an ML-1M step 24x slower on an H100 (1341 vs 56 ms, profiled); "on" | "off"
     # (TOML true / false also accepted) force it.
-    deterministic: str = "auto"
+    deterministic: Deterministic = "auto"
 
 
 @dataclass(frozen=True)
@@ -153,29 +225,29 @@ class DistConfig:
     # Process-group backend: "gloo" (CPU; the one verified here), "nccl" (CUDA), "hccl" (Ascend,
     # needs torch_npu). Devices: nccl/hccl ranks use cuda:LOCAL_RANK / npu:LOCAL_RANK unless
     # backend.device names one.
-    backend: str = "gloo"
+    backend: DistBackend = "gloo"
     # Processes on this host that `grf train` starts (through torch.distributed.run) when > 1.
     # Under torchrun the world size comes from WORLD_SIZE and is written back here.
-    nproc: int = 1
+    nproc: int = _range(1, ge=1)
     # Which sequences of a global batch each rank trains: "none" (contiguous equal-count
     # slices), "kk" (equal-count Karmarkar-Karp + exchange refinement on a*L^2 + b*L per
     # sequence; the global batches are the single-process ones), "lookahead" (balance.plan_epoch
     # over windows of `lookahead` global batches: sequences may move between nearby global
     # batches, so the schedule differs from a single-process run).
-    balance: str = "kk"
-    lookahead: int = 16             # global batches pooled per window (balance = "lookahead")
+    balance: DistBalance = "kk"
+    lookahead: int = _range(16, ge=1)  # global batches pooled per window (balance = "lookahead")
     # Cost per sequence of L input tokens: cost_a * L^2 + cost_b * L, fitted on this machine by
     # `grf bench calibrate --config ...`; both 0 = the FLOP count of one HSTU layer
     # (balance.flop_cost_coefficients) as a stand-in.
-    cost_a: float = 0.0
-    cost_b: float = 0.0
-    rank_token_cap: int = 0         # max input tokens per rank per global batch (0 = no cap)
-    # Failure detection: a rank whose heartbeat stops, or that makes no progress while others
-    # wait for it, for timeout_s seconds makes every rank exit (code 4) naming it; collectives
-    # time out after the same time. Rank 0 evaluates while the others wait without a timeout
-    # (they watch its heartbeat instead), so long evaluations are fine.
-    timeout_s: float = 300.0
-    bucket_mb: float = 25.0         # gradient all-reduce bucket size (launched during backward)
+    cost_a: float = _range(0.0, ge=0.0)
+    cost_b: float = _range(0.0, ge=0.0)
+    rank_token_cap: int = _range(0, ge=0)  # max input tokens per rank per global batch (0 = no cap)
+    # Failure detection (backends/dist_torch.py limits): T = timeout_s. A rank whose heartbeat
+    # is silent for max(T, 5 s), or that makes no progress for max(T, 5 x its slowest step so far)
+    # (10 T in warm-up: the first steps after start, resume, evaluation or a checkpoint), makes
+    # every rank exit (code 4) naming it; collectives time out after 10 T + max(T, 5 s).
+    timeout_s: float = _range(300.0, gt=0.0)
+    bucket_mb: float = _range(25.0, gt=0.0)  # gradient all-reduce bucket size (launched during backward)
 
 
 @dataclass(frozen=True)
@@ -195,6 +267,15 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 def _coerce(value: Any, typ, where: str):
     origin = typing.get_origin(typ)
+    if origin is Literal:
+        allowed = typing.get_args(typ)
+        if isinstance(value, bool) and "on" in allowed:  # switches with an "auto" default (backend.deterministic)
+            value = "on" if value else "off"
+        if value not in allowed:
+            near = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}{hint}")
+        return value
     if origin is tuple:
         (inner, *_rest) = typing.get_args(typ)
         if not isinstance(value, (list, tuple)):
@@ -221,8 +302,6 @@ def _coerce(value: Any, typ, where: str):
         except ValueError:
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if typ is str:
-        if isinstance(value, bool):  # switches with an "auto" default (backend.deterministic)
-            return "on" if value else "off"
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
@@ -233,24 +312,66 @@ def _hints(cls):
     return typing.get_type_hints(cls)
 
 
-def build_config(values: dict, source: str = "<config>") -> Config:
-    """Config from a nested dict ``{section: {key: value}}``; errors name ``source``."""
+def build_config(values: dict, source: str = "<config>", origins: dict | None = None) -> Config:
+    """Config from a nested dict ``{section: {key: value}}``, every value checked (type, choices,
+    range, then ``validate``). Errors name the value's origin: ``origins[(section, key)]`` (e.g.
+    ``"--set model.num_blocks=4"``) when given, else ``source`` (the file)."""
+    origins = origins or {}
     sections = {}
     for name, body in values.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
+            where = origins.get((name, None), source)
+            near = difflib.get_close_matches(name, list(SECTIONS), n=1)
+            hint = f"; did you mean [{near[0]}]?" if near else ""
+            raise ConfigError(f"{where}: unknown section [{name}]{hint} (valid sections: {', '.join(SECTIONS)})")
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of key = value")
         cls = SECTIONS[name]
         hints = _hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in body.items():
+            where = origins.get((name, key), source)
             if key not in hints:
-                raise ConfigError(f"{source}: unknown key {name}.{key}; valid keys in [{name}]: "
-                                  f"{', '.join(hints)}")
-            kwargs[key] = _coerce(value, hints[key], f"{source}: {name}.{key}")
+                near = difflib.get_close_matches(key, list(hints), n=1)
+                hint = f"; did you mean {name}.{near[0]}?" if near else ""
+                raise ConfigError(f"{where}: unknown key {name}.{key}{hint} (valid keys in [{name}]: "
+                                  f"{', '.join(hints)})")
+            full = f"{where}: {name}.{key}" if where == source else where
+            kwargs[key] = _coerce(value, hints[key], full)
+            bounds = fields[key].metadata.get("range")
+            if bounds is not None:
+                _check_range(kwargs[key], bounds, full)
         sections[name] = cls(**kwargs)
-    return Config(**sections)
+    cfg = Config(**sections)
+    validate(cfg, source=source, origins=origins)
+    return cfg
+
+
+def validate(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+    """Rules joining several keys (single values were checked by ``build_config``); ``ConfigError``
+    names the key, its origin and the fix."""
+    origins = origins or {}
+
+    def fail(section: str, key: str, message: str):
+        where = origins.get((section, key), source)
+        raise ConfigError(f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}")
+
+    b, m, e = cfg.backend, cfg.model, cfg.eval
+    kernels = HSTU_KERNELS[b.name]
+    if b.hstu_kernel not in kernels:
+        fail("backend", "hstu_kernel", f"the {b.name} backend has no such kernel; valid for {b.name}: "
+                                       f"{', '.join(kernels)}")
+    if b.precision == "fp16" and 1.0 / m.temperature >= 65504.0:
+        fail("model", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
+                                     "1.6e-5 or use backend.precision=bf16/fp32")
+    if cfg.optim.schedule != "constant" and cfg.optim.decay_steps < 1:
+        fail("optim", "decay_steps", f"optim.schedule={cfg.optim.schedule!r} decays over decay_steps updates; "
+                                     f"set it >= 1 (e.g. the run's total steps minus optim.warmup_steps)")
+    if not e.ks or any(k < 1 for k in e.ks):
+        fail("eval", "ks", "must be a non-empty list of cut-offs >= 1, e.g. [10, 50, 200]")
+    if 10 not in e.ks:
+        fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -266,8 +387,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list = ()) -> Config:
+    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides
+    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs)."""
     values: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -279,13 +401,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {path} not found (configs live in experiments/configs/)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    for text in overrides:
+    origins: dict = {}
+    for item in overrides:
+        # an override is "section.key=value" (from --set) or (label, "section.key=value") for a
+        # CLI flag that sets a key, so errors name the flag the user typed (--backend tpu9)
+        label, text = item if isinstance(item, tuple) else (f"--set {item}", item)
         section, key, value = parse_override(text)
         values.setdefault(section, {})
         if not isinstance(values[section], dict):
             raise ConfigError(f"--set {text}: [{section}] is not a table")
         values[section][key] = value
-    return build_config(values, source)
+        origins[(section, key)] = label
+        origins.setdefault((section, None), label)
+    return build_config(values, source, origins)
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

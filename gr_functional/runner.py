@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -44,10 +43,15 @@ import numpy as np
 from backends import get_backend
 
 from . import model
-from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, fault_point, read_checkpoint, warn
-from .config import Config, ConfigError, config_to_toml, replace
+from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, check_finite,
+                         fault_point, read_checkpoint, warn, write_error)
+from .config import Config, ConfigError, build_config, config_to_toml, replace
+from .config import validate as config_validate
+from .memory import check_fits
 from .report import SELECT_METRIC, select_epoch
-from .train import PRECISIONS, init_loss_scale, init_opt_state, make_scorer, make_train_step
+from .runlock import RunLock, RunLocked
+from .train import init_loss_scale, init_opt_state, make_scorer, make_train_step
+from .tree import tree_items
 
 RESUME_MODES = ("auto", "must", "never")
 
@@ -56,14 +60,19 @@ class TrainingAborted(RuntimeError):
     """Too many non-finite steps in a row; the message names the saved checkpoint and what to try."""
 
 
+class Diverged(TrainingAborted):
+    """Evaluation produced non-finite scores: the model diverged (``grf train``/``eval`` exit 3)."""
+
+
+_RESTART = ("to restart from it, rerun the same grf train command (same --out) with a lower optim.lr, e.g. "
+            "--set optim.lr=1e-4: it resumes from that checkpoint")
+
+
 class DistributedError(RuntimeError):
     """A data-parallel rank died or hung, or a collective failed; the message names the rank
     (``grf train`` exits 4)."""
 
 
-DIST_BACKENDS = ("gloo", "nccl", "hccl")
-DETERMINISTIC_MODES = ("auto", "on", "off")
-DIST_BALANCE = ("none", "kk", "lookahead")   # data.loader.DIST_BALANCE (not imported here: lazy data imports)
 DIST_TORCH_BACKENDS = ("torch", "npu")
 
 
@@ -91,11 +100,14 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 def check_data(data, splits) -> None:
     """Reject data the training loop would only trip over later (after OUT was written to), with a
-    ``DataError`` naming the dataset and the fix. The loaders already reject malformed lines, ids
-    < 1 and ids beyond int32; per-user time order is restored by a stable sort."""
+    ``DataError`` naming the dataset and the fix. The loaders already reject malformed lines,
+    negative timestamps, ids < 1, ids beyond int32 and sparse raw ids (unless ``data.remap_items``)
+    and count exact duplicate rows (kept; ``data.describe()`` reports them); per-user time order is
+    restored by a stable sort. ``memory.check_fits`` (called next) checks the config against the
+    data: ``model.num_negatives`` against the items, the memory estimate against what is free."""
     from .data.loaders import DataError
 
-    name = data.name or "dataset"
+    name = data.source or data.name or "dataset"
     if data.num_events and int(data.times.max()) - int(data.times.min()) > _INT32_MAX:
         raise DataError(f"{name}: timestamps span {int(data.times.max()) - int(data.times.min())} units, more than "
                         f"int32 seconds hold (68 years); they look like milliseconds. Convert them to seconds")
@@ -117,43 +129,13 @@ def data_fingerprint(data) -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Value checks the type system cannot express; ``ConfigError`` names the key and the fix."""
-    t, b = cfg.train, cfg.backend
-    if b.precision not in PRECISIONS:
-        raise ConfigError(f"backend.precision={b.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if cfg.model.attention_tile < -1:
-        raise ConfigError(f"model.attention_tile={cfg.model.attention_tile} must be -1 (auto), 0 (no tile plan: "
-                          f"padded attention) or a chunk length >= 1")
-    if b.deterministic not in DETERMINISTIC_MODES:
-        raise ConfigError(f"backend.deterministic={b.deterministic!r} is not one of "
-                          f"{', '.join(DETERMINISTIC_MODES)} (true/false also accepted)")
-    checks = [("train.accumulate", t.accumulate, 1), ("train.keep_checkpoints", t.keep_checkpoints, 0),
-              ("train.checkpoint_every", t.checkpoint_every, 0), ("train.max_bad_steps", t.max_bad_steps, 0),
-              ("train.log_every", t.log_every, 1), ("train.eval_every", t.eval_every, 1),
-              ("train.loss_scale_window", t.loss_scale_window, 1), ("train.epochs", t.epochs, 1),
-              ("train.max_steps", t.max_steps, 0)]
-    for key, value, low in checks:
-        if value < low:
-            raise ConfigError(f"{key}={value} must be >= {low}")
-    if not (math.isfinite(t.loss_scale) and t.loss_scale >= 1.0):
-        raise ConfigError(f"train.loss_scale={t.loss_scale} must be a finite number >= 1 (e.g. 65536.0)")
-    d = cfg.dist
-    if d.backend not in DIST_BACKENDS:
-        raise ConfigError(f"dist.backend={d.backend!r} is not one of {', '.join(DIST_BACKENDS)} (gloo: CPU, "
-                          f"nccl: CUDA, hccl: Ascend)")
-    if d.balance not in DIST_BALANCE:
-        raise ConfigError(f"dist.balance={d.balance!r} is not one of {', '.join(DIST_BALANCE)}")
-    for key, value, low in [("dist.nproc", d.nproc, 1), ("dist.lookahead", d.lookahead, 1),
-                            ("dist.rank_token_cap", d.rank_token_cap, 0)]:
-        if value < low:
-            raise ConfigError(f"{key}={value} must be >= {low}")
-    for key, value in [("dist.cost_a", d.cost_a), ("dist.cost_b", d.cost_b)]:
-        if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"{key}={value} must be a finite number >= 0 (0 and 0: the FLOP stand-in; "
-                              f"`grf bench calibrate` measures them)")
-    for key, value in [("dist.timeout_s", d.timeout_s), ("dist.bucket_mb", d.bucket_mb)]:
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{key}={value} must be a finite number > 0")
+    """Every value was checked when the config was built (``config.build_config``: types, choices,
+    ranges, cross-key rules); this re-checks a Config made in code with ``dataclasses.replace``."""
+    config_validate(cfg, source="<config>")
+    for section in dataclasses.fields(cfg):
+        body = getattr(cfg, section.name)
+        build_config({section.name: {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}},
+                     source="<config>")
 
 
 def make_backend(cfg: Config, device: str | None = None):
@@ -181,6 +163,11 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
         if on_batch is not None:
             on_batch()
         scores = B.to_numpy(scorer(params, B.asarray_tree(batch)))[: len(targets)]
+        if not np.isfinite(scores).all():
+            bad = int((~np.isfinite(scores)).any(axis=1).sum())
+            raise Diverged(f"evaluation produced non-finite scores for {bad} of {len(targets)} users in a batch "
+                           f"(NaN/Inf in the model's output: the parameters diverged or overflowed in "
+                           f"backend.precision={cfg.backend.precision})")
         ranks.append(metrics.ranks_from_scores(scores, targets, exclude, candidates=candidates))
     return metrics.metrics_from_ranks(np.concatenate(ranks), cfg.eval.ks)
 
@@ -245,36 +232,60 @@ class RunState:
 
 class JsonLog:
     """An append-only JSON-lines file that counts its lines; ``keep_lines`` resumes it: the file is
-    cut (atomically) to its first ``keep_lines`` lines, the ones written before the checkpoint."""
+    cut (atomically) to its first ``keep_lines`` lines, the ones written before the checkpoint.
+    ``append`` opens an existing file for appending without cutting it (timing.jsonl). Write
+    failures raise ``checkpoint.WriteError`` naming the file; a partial last line is harmless
+    (a resume cuts metrics.jsonl back to the checkpoint's line count)."""
 
-    def __init__(self, path: Path, keep_lines: int | None = None):
+    def __init__(self, path: Path, keep_lines: int | None = None, append: bool = False):
         from .checkpoint import atomic_write_bytes
 
         self.path = path
         self.lines = 0
-        if keep_lines is None:
-            self.file = open(path, "w")
-            return
-        old = path.read_text().splitlines(keepends=True) if path.exists() else []
-        if len(old) < keep_lines:
-            warn(f"{path} has {len(old)} lines but the checkpoint was written after {keep_lines}; "
-                 f"the missing lines are not recreated")
-        kept = old[:keep_lines]
-        atomic_write_bytes(path, "".join(kept).encode())
-        self.lines = len(kept)
-        self.file = open(path, "a")
+        self.file = None
+        try:
+            if keep_lines is None:
+                self.file = open(path, "a" if append else "w")
+                return
+            old = path.read_text().splitlines(keepends=True) if path.exists() else []
+            if len(old) < keep_lines:
+                warn(f"{path} has {len(old)} lines but the checkpoint was written after {keep_lines}; "
+                     f"the missing lines are not recreated")
+            kept = old[:keep_lines]
+            atomic_write_bytes(path, "".join(kept).encode())
+            self.lines = len(kept)
+            self.file = open(path, "a")
+        except OSError as exc:
+            raise write_error(path, exc) from None
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        try:
+            self.file.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
         self.lines += 1
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
     def sync(self) -> None:
         """Flush and fsync, so the lines a checkpoint counts are on disk before it is."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        self.flush()
+        try:
+            os.fsync(self.file.fileno())
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is None:
+            return
+        try:
+            self.file.close()
+        except OSError:  # a write error already raised (or will be): closing must not mask it
+            pass
 
 
 class _NullLog:
@@ -283,16 +294,18 @@ class _NullLog:
 
     def __init__(self):
         self.lines = 0
-        self.file = open(os.devnull, "w")
 
     def write(self, record: dict) -> None:
         self.lines += 1
+
+    def flush(self) -> None:
+        pass
 
     def sync(self) -> None:
         pass
 
     def close(self) -> None:
-        self.file.close()
+        pass
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -339,10 +352,15 @@ def _bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
     gradients overflow and the model itself is blowing up."""
     if not bool(m["loss_finite"]):
         return "non-finite loss", True
-    if "loss_scale" in m:
-        scale = float(m["loss_scale"])
-        return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
-    return "non-finite gradient", True
+    if not bool(m["grads_finite"]):
+        if "loss_scale" in m:
+            scale = float(m["loss_scale"])
+            return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
+        return "non-finite gradient", True
+    if not bool(m["update_finite"]):
+        return f"non-finite update (optim.lr={cfg.optim.lr:g})", True
+    return (f"exploding update: it would move the parameters by {float(m['update_ratio']):.3g} x their norm "
+            f"(train.max_update_ratio={cfg.train.max_update_ratio:g}; optim.lr={cfg.optim.lr:g})"), True
 
 
 def _write_curves(path: Path, epochs: list[dict]) -> None:
@@ -373,16 +391,71 @@ def _world_size() -> int:
         raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
 
 
+def check_param_shapes(ck: Checkpoint) -> None:
+    """``CheckpointError`` when the checkpoint's params (and AdamW moments) do not have the shapes
+    its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
+    expected: dict = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, sub in node.items():
+                walk(sub, f"{prefix}{key}.")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{prefix}{i}.")
+        else:
+            expected[prefix[:-1]] = tuple(node)
+
+    walk(model.param_shapes(ck.config.model), "")
+    trees = [("params", ck.params)]
+    if ck.opt_state is not None:
+        trees += [(f"opt.{m}", ck.opt_state[m]) for m in ("mu", "nu") if m in ck.opt_state]
+    for name, tree in trees:
+        got = {k: tuple(np.shape(v)) for k, v in tree_items(tree)}
+        if got != expected:
+            diff = sorted(set(got) ^ set(expected))[:3] or [
+                f"{k}: {got[k]} vs {expected[k]}" for k in sorted(expected) if got[k] != expected[k]][:3]
+            raise CheckpointError(f"checkpoint {ck.path}: its {name} tensors do not match its own config "
+                                  f"(model.* gives other shapes; first differences: {', '.join(map(str, diff))}); "
+                                  f"the file was edited or assembled from another run")
+
+
 def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fingerprint: str):
     """``(restored checkpoint or None, events)``: the checkpoint to resume from, after every check
-    (raises ConfigError / CheckpointError / DataError naming the file and the fix)."""
+    (raises ConfigError / CheckpointError / DataError naming the file and the fix).
+
+    The newest checkpoint that verifies, holds only finite numbers, matches its own config and
+    was trained with a config this run may resume is taken; newer ones that fail are skipped with
+    a warning naming each and why (a different-config checkpoint newer than valid ones is never a
+    reason to refuse: the valid ones are this run's work)."""
     events: list[dict] = []
     restored: Checkpoint | None = None
     if resume == "never":
         return None, events
-    restored, skipped = ckdir.latest_valid()
+    other_config: list[tuple[Path, list[str]]] = []
+
+    def accept(ck: Checkpoint) -> str | None:
+        try:
+            check_param_shapes(ck)
+        except CheckpointError as exc:
+            return str(exc)
+        errors, _ = resume_differences(ck.config, cfg)
+        if errors:
+            other_config.append((ck.path, errors))
+            return f"it was trained with a different config ({'; '.join(errors)})"
+        return None
+
+    restored, skipped = ckdir.latest_valid(accept=accept)
+    out = ckdir.folder.parent
+    if restored is None and other_config:
+        path, errors = other_config[0]
+        raise ConfigError(f"cannot resume from {path}: it was trained with a different config "
+                          f"({'; '.join(errors)}) and no checkpoint in {ckdir.folder} has this run's config. "
+                          f"Resume with the run's own config ({out / 'config.toml'}), use another --out, or "
+                          f"pass --fresh to delete its checkpoints and start over")
     for path, reason in skipped:
-        warn(f"skipping damaged checkpoint {path}: {reason}")
+        kind = "checkpoint" if any(p == path for p, _ in other_config) else "damaged checkpoint"
+        warn(f"skipping {kind} {path}: {reason}")
         events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason})
     if restored is None:
         if resume == "must":
@@ -397,12 +470,7 @@ def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, f
                                   f"resumed; starting over would replace it. Pass --fresh to do that, or "
                                   f"use another --out")
         return None, events
-    out = ckdir.folder.parent
-    errors, notes = resume_differences(restored.config, cfg)
-    if errors:
-        raise ConfigError(f"cannot resume from {restored.path}: it was trained with a different config "
-                          f"({'; '.join(errors)}). Resume with the run's own config ({out / 'config.toml'}), "
-                          f"pass --fresh to delete its checkpoints and start over, or use another --out")
+    _, notes = resume_differences(restored.config, cfg)
     if restored.opt_state is None or not {"step", "mu", "nu"} <= set(restored.opt_state):
         raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
                               f"but not resumed")
@@ -425,7 +493,7 @@ def _resume_on_all_ranks(comm, find):
     every rank; a user error is raised on every rank with the same class and message."""
     from .data.loaders import DataError
 
-    user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError)}
+    user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError, RunLocked)}
     decision = None
     if comm.is_main:
         try:
@@ -472,6 +540,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     cfg = resolve(cfg, data)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
     check_data(data, splits)
+    check_fits(cfg, data)  # negatives vs items, estimated memory vs available: before any allocation
     fingerprint = data_fingerprint(data)
     train_loader = loader.TrainLoader.from_config(splits.train, cfg, world_size=world)
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
@@ -483,8 +552,17 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
 
         device = dist_torch.device_for(cfg.dist.backend, cfg.backend.device)
         comm = dist_torch.init(cfg.dist, device)
+    lock = RunLock(out)
+
+    def find():
+        # one writer per folder: the lock is taken before the resume decision, so no other run
+        # can move the checkpoints between that decision and this run's first write
+        stale = lock.acquire()
+        if stale:
+            warn(f"{lock.path}: taking over the lock of a run that is gone ({stale})")
+        return _find_resume(cfg, ckdir, resume, train_loader, fingerprint)
+
     try:
-        find = lambda: _find_resume(cfg, ckdir, resume, train_loader, fingerprint)  # noqa: E731
         if comm is None:
             restored, events = find()
         else:
@@ -494,14 +572,22 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
         B = make_backend(cfg, device)
         result = _train_loop(cfg, out, progress, resume, B, comm, data, splits, fingerprint, train_loader, ckdir,
                              restored, events)
-    except TrainingAborted:
+    except TrainingAborted as exc:
         if comm is not None:  # every rank aborts at the same step (same gradients): leave together
-            comm.shutdown()
+            comm.fail(str(exc)) if isinstance(exc, Diverged) else comm.shutdown()  # rank 0 alone evaluates
         raise
+    except WriteError as exc:
+        if comm is not None:
+            comm.fail(f"WriteError: {exc}")
+        raise WriteError(exc.errno, f"{exc}. The last intact checkpoint is {ckdir.describe_latest()}; free space "
+                                    f"or fix the folder's permissions, then rerun the same command to resume "
+                                    f"from it") from None
     except BaseException as exc:
         if comm is not None and not isinstance(exc, DistributedError):
             comm.fail(f"{type(exc).__name__}: {exc}")  # peers stop now instead of at a timeout
         raise
+    finally:
+        lock.release()
     if comm is not None:
         comm.shutdown()
     return result
@@ -519,6 +605,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     main = comm is None or comm.is_main
     say = _say if main else (lambda message: None)
     # ---- checks passed: from here on the run owns OUT (rank 0 only in a data-parallel run)
+    say(f"data {data.describe()}")
     if main:
         if resume == "never":
             n = ckdir.clear()
@@ -535,7 +622,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines) if main else _NullLog()
         if not main:
             log.lines = state.metrics_lines
-        timing = open(out / "timing.jsonl" if main else os.devnull, "a")
+        timing = JsonLog(out / "timing.jsonl", append=True) if main else _NullLog()
         e, s = train_loader.position
         say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
             f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
@@ -546,14 +633,14 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         opt_state = init_opt_state(B, params, cfg)
         state = RunState()
         log = JsonLog(out / "metrics.jsonl") if main else _NullLog()
-        timing = open(out / "timing.jsonl" if main else os.devnull, "w")
+        timing = JsonLog(out / "timing.jsonl") if main else _NullLog()
         events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
     if comm is not None:
         events.append({"kind": "distributed", "world_size": comm.world_size, "backend": comm.backend,
                        "balance": cfg.dist.balance, "cost_a": train_loader.split.cost_a,
                        "cost_b": train_loader.split.cost_b, "rank_token_cap": cfg.dist.rank_token_cap})
     for ev in events:
-        timing.write(json.dumps({**ev, "time": time.time()}) + "\n")
+        timing.write({**ev, "time": time.time()})
 
     if comm is None:
         step_fn = make_train_step(B, cfg)
@@ -586,9 +673,13 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                         "position": list(train_loader.position)}}
         if comm is not None:
             meta["world_size"] = comm.world_size
-        path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
-        timing.write(json.dumps({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
-                                 "seconds": time.perf_counter() - t0}) + "\n")
+        try:
+            path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
+        except NonFiniteState as exc:  # the step guard should make this unreachable: never write it
+            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. The last healthy checkpoint "
+                                  f"is {ckdir.describe_latest()}; {_RESTART}") from None
+        timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
+                      "seconds": time.perf_counter() - t0})
         timing.flush()
         return path
 
@@ -644,14 +735,14 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                         if fp16:
                             record["loss_scale"] = float(m["loss_scale"])
                         log.write(record)
-                        log.file.flush()
+                        log.flush()
                         trec = {"kind": "train", "step": state.step, "tokens_per_s": tok_s,
                                 "elapsed_s": time.perf_counter() - t_start}
                         if comm is not None:
                             trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"],
                                         wait_s=m["wait_s"],
                                         rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)])
-                        timing.write(json.dumps(trec) + "\n")
+                        timing.write(trec)
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
                 else:
                     reason, counts = _bad_step(m, cfg)
@@ -662,22 +753,21 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                     if fp16:
                         record["next_loss_scale"] = float(opt_state["loss_scale"]["scale"])
                     log.write(record)
-                    log.file.flush()
+                    log.flush()
                     echo(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
                     if tc.max_bad_steps and state.bad_in_a_row >= tc.max_bad_steps:
                         first = state.step - state.bad_in_a_row + 1
                         log.write({"kind": "abort", "step": state.step, "epoch": epoch,
-                                   "reason": f"{state.bad_in_a_row} non-finite steps in a row",
+                                   "reason": f"{state.bad_in_a_row} bad steps in a row",
                                    "last_good_step": first - 1})
                         path = save("abort", epoch)
                         where = path if path is not None else f"{ckdir.folder} (written by rank 0)"
                         raise TrainingAborted(
                             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
-                            f"(train.max_bad_steps={tc.max_bad_steps}) had a non-finite loss or gradient "
-                            f"(last: {reason}). The last good state (params and optimizer after step {first - 1}, "
-                            f"data position after the skipped batches) is saved in {where}. Lower optim.lr, "
-                            f"check the data, or try backend.precision=fp32; rerunning the same command resumes "
-                            f"from that checkpoint")
+                            f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was "
+                            f"applied. The last healthy checkpoint is {where}: params and optimizer state after "
+                            f"step {first - 1}, data position after the skipped batches. Lower optim.lr, check "
+                            f"the data, or try backend.precision=fp32; {_RESTART}")
                 bar.update(1)
                 last_of_epoch = train_loader.position[0] > epoch
                 if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and not last_of_epoch
@@ -692,10 +782,17 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
             record = {"epoch": epoch, "step": state.step, "loss": float(np.mean(losses)) if losses else None}
             if ((epoch + 1) % tc.eval_every == 0 or last) and main:
                 for name in ("valid", "test"):
-                    record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer,
-                                            on_batch=eval_progress)
+                    try:
+                        record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer,
+                                                on_batch=eval_progress)
+                    except Diverged as exc:
+                        log.write({"kind": "abort", "step": state.step, "epoch": epoch,
+                                   "reason": f"non-finite {name} scores"})
+                        log.sync()
+                        raise Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
+                                       f"The last healthy checkpoint is {ckdir.describe_latest()}; {_RESTART}") from None
                     log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
-                log.file.flush()
+                log.flush()
                 loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
                 echo(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
                      f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
@@ -709,7 +806,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                 # the share of rank time spent waiting for the slowest rank: sum_steps(max) / sum_steps(mean) - 1
                 erec.update(rank_compute_s=[float(x) for x in rank_sum],
                             imbalance=step_max / max(step_mean, 1e-12) - 1.0)
-            timing.write(json.dumps(erec) + "\n")
+            timing.write(erec)
             save("final" if last else "epoch", epoch)
             if comm is not None:
                 # the others wait on the store, not in a collective: evaluation may take longer
@@ -737,8 +834,11 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
               "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - t_start}
     if comm is not None:
         result["world_size"] = comm.world_size
-    (out / "eval.json").write_text(json.dumps(result, indent=1))
-    _write_curves(out / "curves.png", history)
+    atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
+    try:
+        _write_curves(out / "curves.png", history)
+    except OSError as exc:
+        raise write_error(out / "curves.png", exc) from None
     if comm is not None:
         comm.post("files")
     return result
@@ -749,9 +849,18 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     from .data import split as split_mod
 
     ck = read_checkpoint(path)
+    check_param_shapes(ck)
+    try:
+        check_finite(ck)
+    except NonFiniteState as exc:  # a diverged run's state: evaluating it would only rank NaNs
+        raise Diverged(f"{exc}; evaluate an earlier checkpoint of the run (OUT/checkpoints/step-*.safetensors)") from None
     params_np, cfg, meta = ck.params, ck.config, ck.meta
     if backend:
-        cfg = replace(cfg, backend={"name": backend})
+        from .config import HSTU_KERNELS
+
+        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in HSTU_KERNELS.get(backend, ()) else "default"
+        cfg = replace(cfg, backend={"name": backend, "hstu_kernel": kernel})  # the run's kernel may not exist there
+        validate(cfg)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)

@@ -15,9 +15,11 @@ Everything a step needs beyond params lives in its arguments (README "Reliabilit
   and are cast to the compute dtype inside the differentiated function, so gradients come back
   in fp32 and the optimizer updates fp32 master weights. fp16 scales the loss by
   ``opt_state["loss_scale"]["scale"]`` (dynamic loss scaling, state in the optimizer pytree).
-- NaN/Inf guard: when the loss or any gradient is not finite, the step is skipped inside the
-  function (``where(ok, new, old)`` on every leaf: params and optimizer state are returned
-  unchanged) and ``metrics["finite"]`` is false; the runner logs it and counts bad steps.
+- NaN/Inf and divergence guard: when the loss, any gradient or the update is not finite, or the
+  update moves the parameters by more than ``train.max_update_ratio`` of their norm, the step is
+  skipped inside the function (``where(ok, new, old)`` on every leaf: params and optimizer state
+  are returned unchanged) and ``metrics["finite"]`` is false; the runner logs it and counts bad
+  steps. So no non-finite or exploded parameter ever leaves the step.
 
 Data parallel: ``make_dist_train_step`` is one rank's step (torch, over a collective);
 ``rank_grads`` / ``rank_scales`` hold the math shared with the JAX reference
@@ -25,8 +27,9 @@ Data parallel: ``make_dist_train_step`` is one rank's step (torch, over a collec
 supervised token count and the gradients are SUM-reduced.
 
 metrics: ``loss`` (fp32 scalar, unscaled token-weighted mean), ``finite`` (bool: the update was
-applied), ``loss_finite`` (bool), ``tokens`` (supervised tokens, float), and for fp16
-``loss_scale`` (the scale this step used).
+applied), ``loss_finite``, ``grads_finite``, ``update_finite`` (bools), ``update_ratio`` (fp32:
+``||new - old|| / ||old||`` of the proposed update), ``tokens`` (supervised tokens, float), and
+for fp16 ``loss_scale`` (the scale this step used).
 """
 from __future__ import annotations
 
@@ -39,11 +42,11 @@ import numpy as np
 from . import model
 from .balance import rank_loss_weight
 from .batch import HSTUBatch
-from .config import Config
+from .config import Config, Precision, choices
 from .optim import adamw_init, adamw_update
 from .tree import tree_items, tree_map
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = choices(Precision)
 _ADAM_KEYS = ("step", "mu", "nu")
 
 
@@ -122,24 +125,53 @@ def all_finite(B, tree):
     return B.asarray(True) if ok is None else ok
 
 
+def update_health(B, params: dict, new_params: dict, new_adam: dict):
+    """``(update_finite, update_ratio)`` of a proposed update, both 0-d: every new parameter and
+    optimizer-state element is finite, and ``||new - old|| / ||old||`` over all parameters
+    (global L2 norms, fp32). A finite gradient can still give a non-finite update (``optim.lr``
+    NaN, a moment overflowing) or an exploding one (``optim.lr`` far too high); the guard checks
+    the parameters themselves, not only the loss and gradients."""
+    xp = B.xp
+    sq_step = sq_old = None
+    for (_, new), (_, old) in zip(tree_items(new_params), tree_items(params)):
+        d = xp.sum((new - old) * (new - old))
+        o = xp.sum(old * old)
+        sq_step = d if sq_step is None else sq_step + d
+        sq_old = o if sq_old is None else sq_old + o
+    finite = xp.logical_and(xp.isfinite(sq_step), all_finite(B, new_adam))
+    ratio = xp.sqrt(sq_step) / xp.maximum(xp.sqrt(sq_old), xp.full_like(sq_old, 1e-12))
+    return finite, ratio
+
+
 def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config):
-    """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``."""
+    """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``.
+
+    The update is applied only when the loss, every gradient and the update itself are finite
+    and the update moves the parameters by at most ``train.max_update_ratio`` of their norm
+    (``update_health``; 0 turns the ratio check off). Otherwise params and optimizer state come
+    back unchanged and ``metrics["finite"]`` is false."""
     xp = B.xp
     loss_ok = xp.isfinite(loss)
-    ok = xp.logical_and(loss_ok, all_finite(B, grads))
+    grads_ok = xp.logical_and(loss_ok, all_finite(B, grads))
     adam = {k: opt_state[k] for k in _ADAM_KEYS}
     new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
-    # skip a non-finite step: select the old leaves (NaNs in the unselected branch are harmless)
+    update_ok, ratio = update_health(B, params, new_params, new_adam)
+    ok = xp.logical_and(grads_ok, update_ok)
+    if cfg.train.max_update_ratio > 0:
+        ok = xp.logical_and(ok, ratio <= cfg.train.max_update_ratio)
+    # skip a bad step: select the old leaves (NaNs in the unselected branch are harmless)
     keep = lambda new, old: xp.where(ok, new, old)  # noqa: E731
     params = tree_map(keep, new_params, params)
     state = tree_map(keep, new_adam, adam)
-    metrics = {"loss": loss, "finite": ok, "loss_finite": loss_ok, "tokens": tokens}
+    metrics = {"loss": loss, "finite": ok, "loss_finite": loss_ok, "grads_finite": grads_ok,
+               "update_finite": update_ok, "update_ratio": ratio, "tokens": tokens}
     if "loss_scale" in opt_state:
         scaler = opt_state["loss_scale"]
         scale, good = scaler["scale"], scaler["good_steps"] + 1.0
         grow = good >= float(cfg.train.loss_scale_window)
-        # torch.amp.GradScaler's rule: halve on overflow, double after a window of clean steps
-        new_scale = xp.where(ok, xp.where(grow, scale * 2.0, scale), scale * 0.5)
+        # torch.amp.GradScaler's rule: halve on overflow, double after a window of clean steps;
+        # a step rejected for its update (not an overflow) leaves the scale alone
+        new_scale = xp.where(grads_ok, xp.where(xp.logical_and(ok, grow), scale * 2.0, scale), scale * 0.5)
         new_good = xp.where(xp.logical_and(ok, xp.logical_not(grow)), good, xp.zeros_like(good))
         state["loss_scale"] = {"scale": new_scale, "good_steps": new_good}
         metrics["loss_scale"] = scale

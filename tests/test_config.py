@@ -37,14 +37,14 @@ def test_overrides():
 def test_unknown_key_lists_valid_keys(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nnum_block = 3\n")
-    with pytest.raises(ConfigError, match=r"bad.toml: unknown key model.num_block; valid keys in \[model\]: num_items"):
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key model.num_block; did you mean model.num_blocks\? \(valid keys in \[model\]: num_items"):
         load_config(path)
 
 
 def test_unknown_section(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[modle]\nx = 1\n")
-    with pytest.raises(ConfigError, match=r"unknown section \[modle\]; valid sections: data, model"):
+    with pytest.raises(ConfigError, match=r"unknown section \[modle\]; did you mean \[model\]\? \(valid sections: data, model"):
         load_config(path)
 
 
@@ -73,3 +73,79 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["num_blocks=3"])
+
+
+# ----------------------------------------------------------------------------- hardening: parse-time checks
+def test_set_errors_name_the_override_not_the_file():
+    path = Path(CONFIGS[0]).parent / "ml1m_hstu.toml"
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, ["model.num_block=4"])
+    assert str(exc.value).startswith("--set model.num_block=4: unknown key model.num_block; did you mean "
+                                     "model.num_blocks?")
+    with pytest.raises(ConfigError, match=r"^--set modle.x=1: unknown section \[modle\]; did you mean \[model\]"):
+        load_config(path, ["modle.x=1"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=nan", "must be a finite number >= 0, got nan"),
+    ("optim.lr=inf", "must be a finite number >= 0, got inf"),
+    ("optim.lr=-1e-3", "must be >= 0, got -0.001"),
+    ("optim.beta2=1.0", "must be >= 0 and < 1, got 1.0"),
+    ("optim.eps=0", "must be > 0"),
+    ("model.temperature=0", "must be > 0, got 0.0"),
+    ("model.temperature=nan", "must be a finite number > 0"),
+    ("model.ln_eps=0", "must be > 0"),
+    ("model.l2_eps=0", "must be > 0"),
+    ("model.input_dropout=1.0", "must be >= 0 and < 1"),
+    ("model.max_len=0", "must be >= 1, got 0"),
+    ("model.num_negatives=0", "must be >= 1"),
+    ("eval.batch_size=0", "must be >= 1, got 0"),
+    ("train.batch_size=0", "must be >= 1"),
+    ("train.loss_scale=0.5", "must be >= 1"),
+    ("train.max_update_ratio=-1", "must be >= 0"),
+    ("dist.timeout_s=0", "must be > 0"),
+    ("data.zipf_a=nan", "must be a finite number >= 0"),
+])
+def test_every_number_is_range_checked_at_parse_time(override, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert str(exc.value).startswith(f"--set {override}: ") and message in str(exc.value)
+
+
+@pytest.mark.parametrize("override,valid", [
+    ("backend.hstu_kernel=flash", "'default', 'jagged', 'tiled', 'reference', 'triton'"),
+    ("backend.dtype=int8", "'float32', 'float64'"),
+    ("backend.precision=fp8", "'fp32', 'bf16', 'fp16'"),
+    ("backend.name=tensorflow", "'torch', 'jax', 'npu'"),
+    ("backend.deterministic=maybe", "'auto', 'on', 'off'"),
+    ("dist.balance=greedy", "'none', 'kk', 'lookahead'"),
+    ("dist.backend=mpi", "'gloo', 'nccl', 'hccl'"),
+    ("data.dataset=ml-100k", "'synthetic', 'ml-1m', 'ml-20m', 'kuairand'"),
+])
+def test_fixed_choices_are_literals_rejected_with_the_valid_list(override, valid):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert str(exc.value).startswith(f"--set {override}: ") and valid in str(exc.value)
+
+
+def test_near_miss_choice_is_suggested():
+    with pytest.raises(ConfigError, match=r"did you mean 'bf16'\?"):
+        load_config(None, ["backend.precision=bf61"])
+
+
+def test_cross_key_rules():
+    with pytest.raises(ConfigError, match=r"backend.hstu_kernel='triton': the jax backend has no such kernel; "
+                                          r"valid for jax: default, jagged, tiled, reference"):
+        load_config(None, ["backend.name=jax", "backend.hstu_kernel=triton"])
+    with pytest.raises(ConfigError, match="must contain 10"):
+        load_config(None, ["eval.ks=[5, 20]"])
+    with pytest.raises(ConfigError, match="fp16 logits"):
+        load_config(None, ["backend.precision=fp16", "model.temperature=1e-6"])
+    assert load_config(None, ["backend.deterministic=true"]).backend.deterministic == "on"
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[optim]\nlr = nan\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: optim.lr: must be a finite number >= 0, got nan"):
+        load_config(path)

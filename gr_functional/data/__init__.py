@@ -14,7 +14,7 @@ from .loader import TrainLoader, eval_batches, iter_eval
 from .loaders import DataError, Interactions, load_kuairand_log, load_movielens_1m, load_movielens_20m
 from .metrics import metrics_from_ranks, ranks_from_scores
 from .paths import data_dir, dataset_label, dataset_path
-from .sequences import SequenceData, from_interactions
+from .sequences import SequenceData, from_interactions, remap_sequence_items
 from .split import EvalSet, Split, leave_one_out
 from .synthetic import make_synthetic
 
@@ -22,5 +22,5 @@ __all__ = [
     "DATASETS", "DataError", "EvalSet", "Interactions", "SequenceData", "Split", "TrainLoader",
     "data_dir", "dataset_label", "dataset_path", "eval_batches", "fetch", "from_interactions", "iter_eval",
     "leave_one_out", "load_dataset", "load_kuairand_log", "load_movielens_1m", "load_movielens_20m",
-    "make_synthetic", "metrics_from_ranks", "ranks_from_scores",
+    "make_synthetic", "metrics_from_ranks", "ranks_from_scores", "remap_sequence_items",
 ]

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
+from ..config import DataConfig, Dataset, choices
 from .loaders import DataError, load_kuairand_log, load_movielens_1m, load_movielens_20m
 from .paths import dataset_path
-from .sequences import SequenceData, from_interactions
+from .sequences import SequenceData, from_interactions, remap_sequence_items
 from .synthetic import make_synthetic
 
-DATASETS = ("synthetic", "ml-1m", "ml-20m", "kuairand")
+DATASETS = choices(Dataset)  # declared once, in gr_functional/config.py
 
 
 def _resolve(cfg_path: str, name: str, default_file: str) -> Path:
@@ -50,19 +50,25 @@ def load_dataset(cfg: DataConfig) -> SequenceData:
 
     MovieLens keeps raw movie ids and, when movies.dat / movies.csv sits beside the ratings (or in
     ``../official/`` for the reconstructed ML-1M), records those ids as evaluation candidates.
-    KuaiRand ids are remapped to 1..N; with ``data.path`` empty it reads the 211-row sample.
+    ``data.remap_items=true`` maps every dataset's item ids to dense 1..K in increasing raw-id
+    order (``SequenceData.raw_item_ids`` keeps the raw id of each; candidates are mapped the same
+    way). KuaiRand ids are always remapped (its video ids start at 0, the padding id); with
+    ``data.path`` empty it reads the 211-row sample. ``SequenceData.describe()`` is the one-line
+    report of what was loaded (users, events, item-id range, duplicates).
     """
     name = cfg.dataset
+    remap = cfg.remap_items
     if name == "synthetic":
-        return make_synthetic(cfg.synthetic_users, cfg.synthetic_items, cfg.synthetic_max_events, cfg.zipf_a,
+        data = make_synthetic(cfg.synthetic_users, cfg.synthetic_items, cfg.synthetic_max_events, cfg.zipf_a,
                               cfg.seed)
+        return remap_sequence_items(data) if remap else data
     if name == "ml-1m":
         path = _resolve(cfg.path, "ml-1m", "ratings.dat")
-        return from_interactions(load_movielens_1m(path), remap_items=False,
+        return from_interactions(load_movielens_1m(path), remap_items=remap,
                                  candidates=_movielens_candidates(path, "movies.dat", "::", header=False))
     if name == "ml-20m":
         path = _resolve(cfg.path, "ml-20m", "ratings.csv")
-        return from_interactions(load_movielens_20m(path), remap_items=False,
+        return from_interactions(load_movielens_20m(path), remap_items=remap,
                                  candidates=_movielens_candidates(path, "movies.csv", ",", header=True))
     if name == "kuairand":
         path = _resolve(cfg.path, "kuairand-sample", "log_random_4_22_to_5_08_1k.csv")

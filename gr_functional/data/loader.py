@@ -26,14 +26,14 @@ import numpy as np
 
 from .. import balance
 from ..batch import HSTUBatch, make_batch
-from ..config import ModelConfig
+from ..config import DistBalance, ModelConfig, choices
 from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
 from .loaders import DataError
 from .sequences import SequenceData
 from .split import EvalSet
 
 
-DIST_BALANCE = ("none", "kk", "lookahead")
+DIST_BALANCE = choices(DistBalance)  # declared once, in gr_functional/config.py
 CAPACITIES = ("exact", "ladder")
 
 

@@ -36,6 +36,8 @@ class Interactions:
       extra              name -> [N] array of further columns (e.g. KuaiRand ``is_click`` int64)
       name               dataset label for reports, e.g. "ML-1M (reconstructed)"
       source             file the rows came from
+      first_line         line number of row 0 in ``source`` (2 below a header), so row r is
+                         ``source:first_line + r`` in error messages
     """
 
     user: np.ndarray
@@ -45,6 +47,7 @@ class Interactions:
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     name: str = ""
     source: str = ""
+    first_line: int = 1
 
     def __post_init__(self):
         n = len(self.user)
@@ -57,6 +60,12 @@ class Interactions:
 
     def __len__(self) -> int:
         return len(self.user)
+
+    def where(self, row: int) -> str:
+        """``"FILE:LINE"`` of row ``row`` (file order), or ``"NAME row R"`` when built in memory."""
+        if self.source:
+            return f"{self.source}:{self.first_line + int(row)}"
+        return f"{self.name or 'interactions'} row {int(row)}"
 
 
 # ---------------------------------------------------------------------------------- parsing
@@ -250,7 +259,7 @@ def load_movielens_20m(path: str | Path | None = None, *, block_bytes: int = _BL
                           start=offset, first_lineno=2, block_bytes=block_bytes)
     return Interactions(user=_int_column(values, 0), item=_int_column(values, 1), time=_int_column(values, 3),
                         rating=values[:, 2].astype(np.float32), name=dataset_label("ml-20m", path),
-                        source=str(path))
+                        source=str(path), first_line=2)
 
 
 # ---------------------------------------------------------------------------------- KuaiRand
@@ -297,4 +306,5 @@ def load_kuairand_log(path: str | Path | None = None, *, columns: Sequence[str] 
         integral = bool(np.all(np.isfinite(col) & (col == np.floor(col))))
         extra[c] = col.astype(np.int64) if integral else col
     return Interactions(user=_int_column(values, index["user_id"]), item=_int_column(values, index["video_id"]),
-                        time=time_ms // 1000, extra=extra, name=dataset_label("kuairand", path), source=str(path))
+                        time=time_ms // 1000, extra=extra, name=dataset_label("kuairand", path), source=str(path),
+                        first_line=2)

@@ -25,6 +25,9 @@ class SequenceData:
                             (``raw_item_ids[0] == -1``), or None when ids are the raw ids
       candidates[C] int32   the item ids ranked at evaluation (GR ranks every movie in
                             movies.dat: 3,883 ids for ML-1M), or None = all ids 1..num_items
+      source str            file the events came from ("" when generated)
+      duplicate_events int  rows that repeat an earlier row's (user, item, time) exactly; they
+                            are kept (see ``from_interactions``) and reported by ``describe``
     """
 
     items: np.ndarray
@@ -36,6 +39,8 @@ class SequenceData:
     ratings: np.ndarray | None = None
     raw_item_ids: np.ndarray | None = None
     candidates: np.ndarray | None = None
+    source: str = ""
+    duplicate_events: int = 0
 
     def __post_init__(self):
         offsets = self.offsets
@@ -92,6 +97,25 @@ class SequenceData:
         lengths = self.lengths()
         return np.arange(self.num_events, dtype=np.int64) - np.repeat(self.offsets[:-1], lengths)
 
+    def distinct_items(self) -> int:
+        """Number of distinct item ids in ``items`` (a bincount: O(T + num_items), no sort)."""
+        if self.num_events == 0:
+            return 0
+        return int(np.count_nonzero(np.bincount(self.items, minlength=self.num_items + 1)[1:]))
+
+    def describe(self) -> str:
+        """One line for logs: where the data came from, its size, its item-id range and the exact
+        duplicate rows kept, e.g. ``ratings.dat: 6,040 users, 999,917 events, item ids 1..3,952
+        (3,615 distinct), 0 duplicate (user, item, time) rows``."""
+        ids = f"item ids 1..{self.num_items:,} ({self.distinct_items():,} distinct)"
+        if self.raw_item_ids is not None and len(self.raw_item_ids) > 1:
+            raw = self.raw_item_ids[1:]
+            ids += f", remapped from raw ids {int(raw.min()):,}..{int(raw.max()):,}"
+        n = self.duplicate_events
+        dups = f"{n:,} duplicate (user, item, time) row{'s' if n != 1 else ''}" + (" kept" if n else "")
+        return (f"{self.source or self.name or 'dataset'}: {len(self):,} users, {self.num_events:,} events, "
+                f"{ids}, {dups}")
+
     def summary(self) -> dict:
         """Counts and per-user length statistics, for logs and ``grf data`` output."""
         lengths = self.lengths()
@@ -104,45 +128,118 @@ class SequenceData:
         return out
 
 
+# Sparse raw ids (validated in ``from_interactions``). Without remapping, the item table has
+# max_id + 1 rows however few ids occur, so one stray id 999,999,999 in a 3,700-item file asks
+# for a 1e9-row table (200 GB at D=50 before gradients and AdamW state). A raw range is refused
+# when the largest id is above SPARSE_ID_FLOOR (below it the table is at most 1e6 rows, 200 MB at
+# D=50: affordable however empty) AND more than SPARSE_ID_RATIO times the distinct ids (over
+# 99 % of the rows never trained). Real datasets are far inside: ML-1M 3,952 / 3,615 distinct
+# (1.1x), ML-20M 131,262 / 26,744 (4.9x), both below the floor anyway. data.remap_items=true
+# lifts the rule; a dense but huge catalogue is left to the memory check (gr_functional.memory).
+SPARSE_ID_FLOOR = 1_000_000
+SPARSE_ID_RATIO = 100
+
+
+def count_duplicates(user: np.ndarray, time: np.ndarray, item: np.ndarray) -> int:
+    """Rows that repeat an earlier row's (user, item, time) exactly. ``[N]`` columns already sorted
+    by (user, time), as ``from_interactions`` orders them.
+
+    Only rows sharing (user, time) with a neighbour can be duplicates, so the exact sort runs on
+    that subset only (ML-1M: ratings given by one user in the same second), O(N) otherwise.
+    """
+    if len(user) < 2:
+        return 0
+    same = (user[1:] == user[:-1]) & (time[1:] == time[:-1])
+    if not same.any():
+        return 0
+    tied = np.zeros(len(user), dtype=bool)
+    tied[1:] |= same
+    tied[:-1] |= same
+    u, t, i = user[tied], time[tied], item[tied]
+    sub = np.lexsort((i, t, u))
+    u, t, i = u[sub], t[sub], i[sub]
+    return int(np.count_nonzero((u[1:] == u[:-1]) & (t[1:] == t[:-1]) & (i[1:] == i[:-1])))
+
+
+def _dense_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(dense[N] int64 in 1..K, uniq[K] int64)``: the distinct ids sorted ascending and each id's
+    1-based rank among them, so the mapping is a pure function of the set of ids (deterministic)."""
+    uniq, dense = np.unique(ids, return_inverse=True)
+    return dense.reshape(-1).astype(np.int64) + 1, uniq.astype(np.int64)
+
+
+def _remap_candidates(candidates, uniq: np.ndarray) -> np.ndarray:
+    """Raw candidate ids -> dense ids; candidates that never occur in the data are dropped (their
+    embedding rows would never be trained)."""
+    candidates = np.asarray(candidates, dtype=np.int64)
+    known = np.isin(candidates, uniq)
+    return np.searchsorted(uniq, candidates[known]) + 1
+
+
 def from_interactions(inter: Interactions, remap_items: bool, *, name: str | None = None,
                       candidates: np.ndarray | None = None) -> SequenceData:
-    """Group events by user and sort each user's events by time.
+    """Group events by user and sort each user's events by time, after validating the rows.
 
     The sort is STABLE, so events with equal timestamps keep their file order (GR's pandas
     ``sort_values`` is not stable, which makes its tie order arbitrary). ``remap_items=False``
     keeps raw ids (GR does this for MovieLens: ML-1M num_items = max id = 3952); ``True`` maps the
-    distinct raw ids, sorted, to dense 1..N (KuaiRand ids start at 0 and are sparse).
-    ``candidates`` (raw ids) restricts evaluation ranking to those ids.
+    distinct raw ids, sorted, to dense 1..K and keeps ``raw_item_ids`` (KuaiRand ids start at 0
+    and are sparse). ``candidates`` (raw ids) restricts evaluation ranking to those ids.
+
+    Rules (``DataError`` names ``FILE:LINE``; README "Bad inputs"):
+      negative timestamp                  error: times are unix seconds (>= 0)
+      item id < 1 or beyond int32         error unless remapped (0 is the padding id)
+      sparse raw ids (``SPARSE_ID_*``)    error unless remapped: the table would be mostly empty
+      exact duplicate (user, item, time)  KEPT and counted in ``duplicate_events``. Why not
+                                          dropped: at one-second resolution a repeat is often a real
+                                          repeated event (KuaiRand's millisecond times are cut to
+                                          seconds; a replay in the same second is two events), and
+                                          GR's preprocessing keeps them, so dropping would change
+                                          targets silently. The count makes them visible.
     """
     label = name if name is not None else inter.name
     if len(inter) == 0:
         raise DataError(f"{inter.source or label}: no interactions to build sequences from")
+    if int(inter.time.min()) < 0:
+        row = int(np.argmax(inter.time < 0))
+        raise DataError(f"{inter.where(row)}: timestamp {int(inter.time[row])} is negative; timestamps are unix "
+                        f"seconds (>= 0, i.e. from 1970 on). Fix or remove the row")
     by_time = np.argsort(inter.time, kind="stable")
     order = by_time[np.argsort(inter.user[by_time], kind="stable")]
     user = inter.user[order]
     starts = np.flatnonzero(np.concatenate([[True], user[1:] != user[:-1]]))
     offsets = np.append(starts, len(user)).astype(np.int64)
     raw_items = inter.item[order]
+    times = inter.time[order].astype(np.int64)
 
     raw_item_ids = None
     cand = None
     if remap_items:
-        uniq, dense = np.unique(raw_items, return_inverse=True)
-        items64 = dense.reshape(-1).astype(np.int64) + 1
+        items64, uniq = _dense_ids(raw_items)
         num_items = len(uniq)
         raw_item_ids = np.concatenate([[-1], uniq]).astype(np.int64)
         if candidates is not None:
-            cand = np.searchsorted(uniq, np.asarray(candidates)) + 1
-            known = np.isin(np.asarray(candidates), uniq)
-            cand = cand[known]
+            cand = _remap_candidates(candidates, uniq)
     else:
         lo, hi = int(raw_items.min()), int(raw_items.max())
         if lo < 1:
-            row = int(order[np.argmin(raw_items)])
-            raise DataError(f"{inter.source or label}: item id {lo} (row {row}) is < 1; id 0 is the padding id. "
-                            f"Load with remap_items=True to map ids to 1..N")
+            row = int(np.argmin(inter.item))
+            raise DataError(f"{inter.where(row)}: item id {lo} is < 1; id 0 is the padding id. Set "
+                            f"data.remap_items=true (from_interactions(remap_items=True)) to map the ids to 1..K")
         if hi > _INT32_MAX:
-            raise DataError(f"{inter.source or label}: item id {hi} does not fit int32; load with remap_items=True")
+            row = int(np.argmax(inter.item))
+            raise DataError(f"{inter.where(row)}: item id {hi} does not fit int32; set data.remap_items=true "
+                            f"(from_interactions(remap_items=True)) to map the ids to 1..K")
+        if hi > SPARSE_ID_FLOOR:
+            distinct = int(np.unique(raw_items).size)  # a sort, but only for ranges this large
+            if hi > SPARSE_ID_RATIO * distinct:
+                row = int(np.argmax(inter.item))
+                raise DataError(
+                    f"{inter.where(row)}: item id {hi:,} would make the item embedding table {hi + 1:,} rows, "
+                    f"but only {distinct:,} distinct item ids occur ({hi / distinct:,.0f}x; raw ids are refused "
+                    f"above {SPARSE_ID_RATIO}x once the largest id exceeds {SPARSE_ID_FLOOR:,}). Set "
+                    f"data.remap_items=true to map the ids to 1..{distinct:,} (in raw-id order), or remove the "
+                    f"stray id")
         items64 = raw_items
         num_items = hi
         if candidates is not None:
@@ -153,7 +250,21 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
     if cand is not None:
         cand = np.unique(cand).astype(np.int32)
     return SequenceData(
-        items=items64.astype(np.int32), times=inter.time[order].astype(np.int64), offsets=offsets,
+        items=items64.astype(np.int32), times=times, offsets=offsets,
         user_ids=user[starts].astype(np.int64), num_items=int(num_items), name=label,
         ratings=None if inter.rating is None else inter.rating[order].astype(np.float32),
-        raw_item_ids=raw_item_ids, candidates=cand)
+        raw_item_ids=raw_item_ids, candidates=cand, source=inter.source,
+        duplicate_events=count_duplicates(user, times, raw_items))
+
+
+def remap_sequence_items(data: SequenceData) -> SequenceData:
+    """``data`` with its item ids mapped to dense 1..K (K distinct ids, in increasing id order),
+    ``raw_item_ids`` composed with any earlier mapping and ``candidates`` mapped the same way
+    (those that never occur dropped). For data built without ``from_interactions`` (synthetic)."""
+    if data.num_events == 0:
+        return data
+    dense, uniq = _dense_ids(data.items.astype(np.int64))
+    raw = uniq if data.raw_item_ids is None else data.raw_item_ids[uniq]
+    cand = None if data.candidates is None else _remap_candidates(data.candidates, uniq).astype(np.int32)
+    return dataclasses.replace(data, items=dense.astype(np.int32), num_items=len(uniq),
+                               raw_item_ids=np.concatenate([[-1], raw]).astype(np.int64), candidates=cand)

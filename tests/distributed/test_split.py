@@ -117,9 +117,9 @@ def test_rank_losses_normalised_by_the_global_token_count(setup):
 
 def test_dist_config_errors_name_the_key(setup, monkeypatch):
     cfg, _ = setup
-    for key, value, text in [("backend", "mpi", "dist.backend='mpi' is not one of gloo, nccl, hccl"),
-                             ("balance", "lpt", "dist.balance='lpt'"), ("timeout_s", 0.0, "dist.timeout_s=0.0"),
-                             ("cost_a", -1.0, "dist.cost_a=-1.0")]:
+    for key, value, text in [("backend", "mpi", "dist.backend: 'mpi' is not one of 'gloo', 'nccl', 'hccl'"),
+                             ("balance", "lpt", "dist.balance: 'lpt'"), ("timeout_s", 0.0, "dist.timeout_s: must be > 0"),
+                             ("cost_a", -1.0, "dist.cost_a: must be >= 0, got -1.0")]:
         with pytest.raises(ConfigError, match=text.replace("(", r"\(").replace(".", r"\.")):
             validate(replace(cfg, dist={key: value}))
     from gr_functional.runner import train

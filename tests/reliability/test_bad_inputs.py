@@ -86,10 +86,20 @@ CORPUS = {
     "wrong_type_int": (None, ["train.batch_size=abc"], ["train.batch_size", "expected an integer"]),
     "wrong_type_float": (None, ["optim.lr=fast"], ["optim.lr", "expected a number"]),
     "wrong_type_bool": (None, ["model.pos_bias=maybe"], ["model.pos_bias", "true/false"]),
-    "bad_deterministic": (None, ["backend.deterministic=maybe"], ["backend.deterministic='maybe'", "auto, on, off"]),
-    "bad_precision": (None, ["backend.precision=fp8"], ["backend.precision='fp8'", "fp32, bf16, fp16"]),
-    "bad_accumulate": (None, ["train.accumulate=0"], ["train.accumulate=0 must be >= 1"]),
-    "bad_max_bad_steps": (None, ["train.max_bad_steps=-1"], ["train.max_bad_steps=-1"]),
+    "bad_deterministic": (None, ["backend.deterministic=maybe"], ["--set backend.deterministic=maybe: 'maybe' is "
+                                                                 "not one of 'auto', 'on', 'off'"]),
+    "bad_precision": (None, ["backend.precision=fp8"], ["--set backend.precision=fp8", "'fp32', 'bf16', 'fp16'"]),
+    "bad_accumulate": (None, ["train.accumulate=0"], ["--set train.accumulate=0: must be >= 1"]),
+    "bad_max_bad_steps": (None, ["train.max_bad_steps=-1"], ["--set train.max_bad_steps=-1: must be >= 0"]),
+    # [hardening]: every value range-checked at parse time, errors name the --set, not the file
+    "lr_nan": (None, ["optim.lr=nan"], ["--set optim.lr=nan: must be a finite number >= 0"]),
+    "temperature_zero": (None, ["model.temperature=0"], ["--set model.temperature=0: must be > 0"]),
+    "kernel_flash": (None, ["backend.hstu_kernel=flash"], ["--set backend.hstu_kernel=flash", "'jagged'"]),
+    "dtype_int8": (None, ["backend.dtype=int8"], ["--set backend.dtype=int8", "'float32', 'float64'"]),
+    "max_len_zero": (None, ["model.max_len=0"], ["--set model.max_len=0: must be >= 1"]),
+    "eval_batch_zero": (None, ["eval.batch_size=0"], ["--set eval.batch_size=0: must be >= 1"]),
+    "key_typo": (None, ["model.num_block=4"], ["--set model.num_block=4: unknown key model.num_block; did you mean "
+                                               "model.num_blocks?"]),
 }
 
 

@@ -1,0 +1,94 @@
+"""One writer per run folder: an exclusive lock on ``OUT/.grf.lock`` held while a run lives.
+
+Two ``grf train`` on the same ``--out`` would interleave lines in metrics.jsonl and overwrite each
+other's checkpoints, so the second one exits 2 naming the holder. The lock is ``fcntl.flock`` on
+the file (the kernel releases it when the holder dies, however it dies, so a SIGKILLed run never
+blocks the next one); the file holds the holder's pid, host, start time and command while it
+runs and is emptied when it ends. A non-empty file whose lock is free was left by a run that died:
+it is taken over with a warning naming that run. On NFS, Linux emulates flock with POSIX byte-range
+locks, which the server arbitrates, so runs on different hosts exclude each other too.
+In a data-parallel run, rank 0 (the only rank that writes OUT) holds the lock.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+LOCK_NAME = ".grf.lock"
+
+
+class RunLocked(RuntimeError):
+    """Another live run holds the folder's lock; the message names it (``grf`` exits 2)."""
+
+
+def _describe(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return (f"pid {h.get('pid')} on host {h.get('host')}, started {h.get('started')}: "
+                f"{h.get('command')}")
+    except (ValueError, AttributeError):
+        return repr(text[:200])
+
+
+class RunLock:
+    """``lock = RunLock(out); stale = lock.acquire(); ...; lock.release()``.
+
+    ``acquire`` creates OUT if needed; ``release`` empties the file (so a rejected run leaves a
+    finished folder byte-identical) and, when this lock created OUT and nothing else was written
+    there, removes both again."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self.path = self.out / LOCK_NAME
+        self.fd: int | None = None
+        self.created_out = False
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise ``RunLocked`` naming the holder. Returns a description of the
+        dead run whose lock was taken over, or None."""
+        if not self.out.exists():
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.created_out = True
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace")
+                os.close(fd)
+                raise RunLocked(f"{self.out} is in use by another grf train ({_describe(holder)}); wait for it to "
+                                f"finish or stop it, or use another --out") from None
+            try:  # a releasing run may have removed the file between our open and flock: retry
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.fd = fd
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "command": " ".join(["grf", *sys.argv[1:]])}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        return _describe(previous) if previous else None
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+            if self.created_out and [p.name for p in self.out.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                self.out.rmdir()
+        except OSError:
+            pass  # best effort: the kernel releases the lock below in any case
+        finally:
+            os.close(self.fd)
+            self.fd = None
