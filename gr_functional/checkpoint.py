@@ -201,6 +201,9 @@ def _header(path: Path, data: bytes) -> dict:
     if len(data) < 8:
         raise CheckpointError(f"checkpoint {path} is truncated ({len(data)} bytes, not even a header)")
     (n,) = struct.unpack("<Q", data[:8])
+    if n > 1 << 30 or data[8:9] != b"{":  # safetensors headers are JSON objects of modest size
+        raise CheckpointError(f"{path} is not a checkpoint (no safetensors header); pass a "
+                              f"OUT/checkpoints/*.safetensors file")
     if n > len(data) - 8:
         raise CheckpointError(f"checkpoint {path} is truncated: the header claims {n} bytes, "
                               f"the file has {len(data)}")
@@ -214,6 +217,9 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     """Load and (``verify``) check a checkpoint file; raises ``CheckpointError`` naming the file and
     what is wrong (missing, truncated, corrupted, not a gr-functional checkpoint)."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder; pass a checkpoint file, e.g. "
+                              f"{path / 'checkpoints' / 'last.safetensors'} or {path / 'last.safetensors'}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     data = path.read_bytes()
@@ -308,7 +314,19 @@ class CheckpointDir:
         """Temp files of writes a killed run never finished (safe to delete: never renamed)."""
         if not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+        ours = (".step-", ".manifest.json.", ".last.safetensors.")  # atomic_write_bytes / _link_last names
+        return sorted(p for p in self.folder.iterdir() if p.name.startswith(ours) and p.name.endswith(".tmp"))
+
+    def set_aside(self, path: Path) -> Path:
+        """Move a checkpoint of another config out of the way (``checkpoints/other-config/``), so
+        this run's saves and retention never overwrite or delete it; returns the new path."""
+        aside = self.folder / "other-config"
+        aside.mkdir(exist_ok=True)
+        target, n = aside / path.name, 1
+        while target.exists():
+            target, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
+        os.replace(path, target)
+        return target
 
     def read_index(self) -> dict:
         try:

@@ -132,7 +132,7 @@ def cmd_train(args) -> int:
     result = train(cfg, out, progress=not args.quiet, resume=resume)
     if rank:  # ranks other than 0 write nothing and print nothing
         return 0
-    keys = ["hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"]
+    keys = [k for k in result if k.startswith(("hr@", "ndcg@")) or k == "mrr"]  # eval.ks decides which
     print(json.dumps({k: round(result[k], 4) for k in keys} | {"epoch": result["epoch"], "out": str(out)}))
     return 0
 
@@ -229,7 +229,8 @@ def cmd_report(args) -> int:
     from . import report
 
     runs = report.find_runs(args.runs)
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else report.DEFAULT_METRICS
+    metrics = ([m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics
+               else report.default_metrics(runs))
     if args.json:
         if args.curve:
             for run in runs:
@@ -341,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return code
+    except KeyboardInterrupt:
+        print(f"grf: {who}interrupted; nothing is lost: rerun the same command to resume from the last "
+              f"checkpoint (OUT/checkpoints)", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `grf report ... | head`: the reader left; not an error. Point stdout at devnull so
         # the interpreter's final flush does not raise again

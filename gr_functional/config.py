@@ -265,8 +265,13 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 
-def _coerce(value: Any, typ, where: str):
+def _coerce(value: Any, typ, where: str, from_text: bool = False):
+    """``value`` as ``typ``, or ConfigError. Strings become numbers or booleans only when they
+    come from command-line text (``from_text``: ``--set`` bare words); in a TOML file ``"16"`` is
+    a string, and a string where a number belongs is an error, not a guess."""
     origin = typing.get_origin(typ)
+    text = (str,) if from_text else ()
+    quoted = "" if from_text else " (a quoted string: drop the quotes)"
     if origin is Literal:
         allowed = typing.get_args(typ)
         if isinstance(value, bool) and "on" in allowed:  # switches with an "auto" default (backend.deterministic)
@@ -280,23 +285,23 @@ def _coerce(value: Any, typ, where: str):
         (inner, *_rest) = typing.get_args(typ)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list of {inner.__name__}, got {value!r}")
-        return tuple(_coerce(v, inner, where) for v in value)
+        return tuple(_coerce(v, inner, where, from_text) for v in value)
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
+        if from_text and isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, *text)):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}{quoted if isinstance(value, str) else ''}")
         try:
             return int(value)
         except ValueError:
             raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
     if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, *text)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}{quoted if isinstance(value, str) else ''}")
         try:
             return float(value)
         except ValueError:
@@ -338,7 +343,7 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
                 raise ConfigError(f"{where}: unknown key {name}.{key}{hint} (valid keys in [{name}]: "
                                   f"{', '.join(hints)})")
             full = f"{where}: {name}.{key}" if where == source else where
-            kwargs[key] = _coerce(value, hints[key], full)
+            kwargs[key] = _coerce(value, hints[key], full, from_text=(name, key) in origins)
             bounds = fields[key].metadata.get("range")
             if bounds is not None:
                 _check_range(kwargs[key], bounds, full)
@@ -358,7 +363,7 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
         raise ConfigError(f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}")
 
     b, m, e = cfg.backend, cfg.model, cfg.eval
-    kernels = HSTU_KERNELS[b.name]
+    kernels = HSTU_KERNELS.get(b.name, ())
     if b.hstu_kernel not in kernels:
         fail("backend", "hstu_kernel", f"the {b.name} backend has no such kernel; valid for {b.name}: "
                                        f"{', '.join(kernels)}")
@@ -399,8 +404,13 @@ def load_config(path: str | Path | None = None, overrides: list = ()) -> Config:
                 values = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found (configs live in experiments/configs/)") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config {path} is a folder; pass a .toml file (configs live in "
+                              f"experiments/configs/)") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML (UTF-8): {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     origins: dict = {}
     for item in overrides:
         # an override is "section.key=value" (from --set) or (label, "section.key=value") for a

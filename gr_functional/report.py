@@ -50,6 +50,8 @@ class Run:
     evals: list
     finished: bool
     epoch_seconds: dict
+    aborted: bool = False   # metrics.jsonl ends in an abort record (grf train exited 3)
+    live: bool = False      # a grf train holds the folder's lock now
 
     @property
     def name(self) -> str:
@@ -125,7 +127,9 @@ def load_run(path: str | Path) -> Run:
         except tomllib.TOMLDecodeError as exc:
             raise ReportError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
     by_epoch: dict[int, dict] = {}
-    for row in _read_jsonl(metrics_path):
+    rows = _read_jsonl(metrics_path)
+    aborted = bool(rows) and rows[-1].get("kind") == "abort"
+    for row in rows:
         if row.get("kind") != "eval":
             continue
         values = {k: v for k, v in row.items() if k not in ("kind", "split", "epoch", "step")}
@@ -140,7 +144,9 @@ def load_run(path: str | Path) -> Run:
         except json.JSONDecodeError:
             raise ReportError(f"{path / 'eval.json'}: not valid JSON") from None
         finished = not evals or result.get("last_epoch", -1) >= evals[-1]["epoch"]
-    return Run(path, config, evals, finished, epoch_seconds)
+    from .runlock import is_held
+
+    return Run(path, config, evals, finished, epoch_seconds, aborted, is_held(path))
 
 
 def find_runs(paths: list) -> list:
@@ -166,9 +172,11 @@ def differing_keys(runs: list, ignore: tuple = ()) -> list:
 
 def _status(run: Run) -> str:
     planned = run.config.get("train.epochs")
-    if run.finished:
+    if run.finished and not run.live:
         return "done"
-    return f"running, {run.epochs_done}/{planned} epochs" if planned else f"running, {run.epochs_done} epochs"
+    # running: a grf train holds its lock; else it ended early (killed, or aborted: exit 3)
+    what = "running" if run.live else "aborted" if run.aborted else "stopped"
+    return f"{what}, {run.epochs_done}/{planned} epochs" if planned else f"{what}, {run.epochs_done} epochs"
 
 
 def _mean_std(values: list) -> tuple[float, float]:
@@ -203,7 +211,7 @@ def summary_rows(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False)
                 row.update({m: _mean_std([s[m] for _, s in chosen]) for m in metrics})
             else:
                 row["epoch"] = chosen[0][1]["epoch"]
-                row.update({m: chosen[0][1][m] for m in metrics})
+                row.update({m: chosen[0][1].get(m) for m in metrics})
         row["wall_s"] = sum(r.wall_seconds for r in members) / len(members)  # per run
         rows.append(row)
     return keys, rows
@@ -220,9 +228,21 @@ def _cell(value) -> str:
     return "" if value is None else str(value)
 
 
+def evaluated_metrics(runs: list) -> set:
+    """Every metric some run evaluated (runs with other ``eval.ks`` have other ones)."""
+    return {m for r in runs for e in r.evals for split in ("valid", "test") for m in e.get(split, {})}
+
+
+def default_metrics(runs: list) -> list:
+    """``DEFAULT_METRICS`` that some run evaluated, then the other cut-offs they have (sorted)."""
+    known = evaluated_metrics(runs)
+    first = [m for m in DEFAULT_METRICS if m in known]
+    return first + sorted(known - set(first)) if known else list(DEFAULT_METRICS)
+
+
 def check_metrics(runs: list, metrics) -> None:
     """ReportError naming the metrics no run evaluated, and the ones it did."""
-    known = {m for r in runs for e in r.evals for split in ("valid", "test") for m in e.get(split, {})}
+    known = evaluated_metrics(runs)
     unknown = [m for m in metrics if m not in known]
     if unknown and known:
         raise ReportError(f"unknown metric(s) {', '.join(unknown)}; the runs have {', '.join(sorted(known))}")

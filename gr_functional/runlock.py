@@ -4,7 +4,7 @@ Two ``grf train`` on the same ``--out`` would interleave lines in metrics.jsonl 
 other's checkpoints, so the second one exits 2 naming the holder. The lock is ``fcntl.flock`` on
 the file (the kernel releases it when the holder dies, however it dies, so a SIGKILLed run never
 blocks the next one); the file holds the holder's pid, host, start time and command while it
-runs and is emptied when it ends. A non-empty file whose lock is free was left by a run that died:
+runs and is removed when it ends (emptied, when the run found it there). A non-empty file whose lock is free was left by a run that died:
 it is taken over with a warning naming that run. On NFS, Linux emulates flock with POSIX byte-range
 locks, which the server arbitrates, so runs on different hosts exclude each other too.
 In a data-parallel run, rank 0 (the only rank that writes OUT) holds the lock.
@@ -35,6 +35,23 @@ def _describe(text: str) -> str:
         return repr(text[:200])
 
 
+def is_held(out: str | Path) -> bool:
+    """Whether a live run holds ``out``'s lock now (``grf report``'s status)."""
+    try:
+        fd = os.open(Path(out) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class RunLock:
     """``lock = RunLock(out); stale = lock.acquire(); ...; lock.release()``.
 
@@ -47,13 +64,22 @@ class RunLock:
         self.path = self.out / LOCK_NAME
         self.fd: int | None = None
         self.created_out = False
+        self.created_file = False
 
     def acquire(self) -> str | None:
         """Take the lock or raise ``RunLocked`` naming the holder. Returns a description of the
         dead run whose lock was taken over, or None."""
+        try:
+            return self._acquire()
+        except OSError as exc:  # --out is a file, the lock path a folder, a read-only parent...
+            raise RunLocked(f"cannot use {self.out} as a run folder: {self.path}: {exc.strerror or exc}; "
+                            f"pass another --out") from None
+
+    def _acquire(self) -> str | None:
         if not self.out.exists():
             self.out.mkdir(parents=True, exist_ok=True)
             self.created_out = True
+        self.created_file = not self.path.exists()
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
@@ -84,8 +110,9 @@ class RunLock:
             return
         try:
             os.ftruncate(self.fd, 0)
-            if self.created_out and [p.name for p in self.out.iterdir()] == [LOCK_NAME]:
+            if self.created_file:  # leave the folder as this run found it (a waiter re-opens: inode check)
                 self.path.unlink()
+            if self.created_out and not any(self.out.iterdir()):
                 self.out.rmdir()
         except OSError:
             pass  # best effort: the kernel releases the lock below in any case

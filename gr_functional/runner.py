@@ -32,6 +32,7 @@ the resume decision and checkpoint state are broadcast from it, so OUT need only
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -64,8 +65,28 @@ class Diverged(TrainingAborted):
     """Evaluation produced non-finite scores: the model diverged (``grf train``/``eval`` exit 3)."""
 
 
-_RESTART = ("to restart from it, rerun the same grf train command (same --out) with a lower optim.lr, e.g. "
-            "--set optim.lr=1e-4: it resumes from that checkpoint")
+_RESTART = ("to restart from it, rerun the same grf train command (same --out) with the cause fixed (e.g. "
+            "--set optim.lr=1e-4): it resumes from that checkpoint")
+
+
+def _advice(reason: str) -> str:
+    """What to change after bad steps, by the last one's reason (``_bad_step``)."""
+    if reason.startswith("exploding update"):
+        return ("Lower optim.lr (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
+                "intended)")
+    if reason.startswith("non-finite update"):
+        return "Set a finite, smaller optim.lr and check optim.eps"
+    return ("Check the data, model.temperature and the eps keys, lower optim.lr, or try "
+            "backend.precision=fp32")
+
+
+def _last_healthy(ckdir: CheckpointDir) -> str:
+    """``"The last healthy checkpoint is X; to restart ..."``, or how to start over without one."""
+    ck, _ = ckdir.latest_valid()
+    if ck is None:
+        return (f"No healthy checkpoint exists in {ckdir.folder}; fix the cause and rerun with --fresh to "
+                f"start over")
+    return f"The last healthy checkpoint is {ckdir.describe_latest()}; {_RESTART}"
 
 
 class DistributedError(RuntimeError):
@@ -96,6 +117,7 @@ def resolve(cfg: Config, data) -> Config:
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_LATEST_SECONDS = 10**11
 
 
 def check_data(data, splits) -> None:
@@ -111,6 +133,11 @@ def check_data(data, splits) -> None:
     if data.num_events and int(data.times.max()) - int(data.times.min()) > _INT32_MAX:
         raise DataError(f"{name}: timestamps span {int(data.times.max()) - int(data.times.min())} units, more than "
                         f"int32 seconds hold (68 years); they look like milliseconds. Convert them to seconds")
+    if data.num_events and int(data.times.max()) > _LATEST_SECONDS:
+        # unix seconds reach 1e11 in the year 5138; milliseconds of any date since 1973 exceed it
+        raise DataError(f"{name}: the largest timestamp, {int(data.times.max()):,}, is after the year 5000 in unix "
+                        f"seconds; the timestamps look like milliseconds (or microseconds). Convert them to "
+                        f"seconds (the time bias buckets log-seconds)")
     for split in ("valid", "test"):
         if len(getattr(splits, split)) == 0:
             need = 3 if split == "valid" else 2
@@ -131,11 +158,11 @@ def data_fingerprint(data) -> str:
 def validate(cfg: Config) -> None:
     """Every value was checked when the config was built (``config.build_config``: types, choices,
     ranges, cross-key rules); this re-checks a Config made in code with ``dataclasses.replace``."""
-    config_validate(cfg, source="<config>")
     for section in dataclasses.fields(cfg):
         body = getattr(cfg, section.name)
         build_config({section.name: {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}},
                      source="<config>")
+    config_validate(cfg, source="<config>")
 
 
 def make_backend(cfg: Config, device: str | None = None):
@@ -212,6 +239,9 @@ class RunState:
       bad_in_a_row    consecutive skipped steps that count towards train.max_bad_steps
       skipped_total   all skipped steps of the run
       metrics_lines   lines of metrics.jsonl written up to this state (resume truncates to it)
+      epoch_end_pending  an epoch whose batches all ran but whose end (evaluation, history, its
+                      checkpoint) did not: a run aborted on the epoch's last batch; a resume
+                      finishes that epoch first (-1: none)
     """
 
     step: int = 0
@@ -220,6 +250,7 @@ class RunState:
     bad_in_a_row: int = 0
     skipped_total: int = 0
     metrics_lines: int = 0
+    epoch_end_pending: int = -1
 
     def to_meta(self) -> dict:
         return dataclasses.asdict(self)
@@ -378,8 +409,13 @@ def _write_curves(path: Path, epochs: list[dict]) -> None:
             ax2.plot(*zip(*pts), marker="o", label=split)
     ax2.set_xlabel("epoch"), ax2.set_ylabel("HR@10"), ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # atomic, like every other output: a failed rewrite leaves the previous plot
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def _world_size() -> int:
@@ -456,7 +492,8 @@ def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, f
     for path, reason in skipped:
         kind = "checkpoint" if any(p == path for p, _ in other_config) else "damaged checkpoint"
         warn(f"skipping {kind} {path}: {reason}")
-        events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason})
+        events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason,
+                       "other_config": any(p == path for p, _ in other_config)})
     if restored is None:
         if resume == "must":
             raise CheckpointError(f"--resume: no valid checkpoint in {ckdir.folder}"
@@ -579,9 +616,10 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     except WriteError as exc:
         if comm is not None:
             comm.fail(f"WriteError: {exc}")
-        raise WriteError(exc.errno, f"{exc}. The last intact checkpoint is {ckdir.describe_latest()}; free space "
-                                    f"or fix the folder's permissions, then rerun the same command to resume "
-                                    f"from it") from None
+        fix = ("raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG
+               else "free space or fix the folder's permissions")
+        raise WriteError(exc.errno, f"{exc}. The last intact checkpoint is {ckdir.describe_latest()}; {fix}, then "
+                                    f"rerun the same command to resume from it") from None
     except BaseException as exc:
         if comm is not None and not isinstance(exc, DistributedError):
             comm.fail(f"{type(exc).__name__}: {exc}")  # peers stop now instead of at a timeout
@@ -613,6 +651,12 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                 say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
         for tmp in ckdir.stale_temp_files():
             tmp.unlink(missing_ok=True)  # a write a killed run never finished (never renamed: not a checkpoint)
+        for ev in events:
+            if ev.get("other_config") and Path(ev["file"]).exists():
+                moved = ckdir.set_aside(Path(ev["file"]))
+                say(f"moved {Path(ev['file']).name} (another config's checkpoint) to {moved}: this run's saves "
+                    f"and retention would overwrite or delete it there")
+                ev["moved_to"] = str(moved)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
     if restored is not None:
@@ -651,6 +695,8 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     k, max_steps = tc.accumulate, tc.max_steps
     fp16 = cfg.backend.precision == "fp16"
     epoch, start = train_loader.position
+    if state.epoch_end_pending >= 0:
+        epoch, start = state.epoch_end_pending, None  # no batches left: only the epoch's end
     total = -(-train_loader.steps_per_epoch // k) * tc.epochs
     total = min(total, max_steps) if max_steps else total
 
@@ -676,14 +722,15 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         try:
             path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
         except NonFiniteState as exc:  # the step guard should make this unreachable: never write it
-            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. The last healthy checkpoint "
-                                  f"is {ckdir.describe_latest()}; {_RESTART}") from None
+            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {_last_healthy(ckdir)}") from None
         timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
                       "seconds": time.perf_counter() - t0})
         timing.flush()
         return path
 
-    def batches(e: int, s: int):
+    def batches(e: int, s: int | None):
+        if s is None:
+            return iter(())
         if comm is None:
             return _groups(train_loader.epoch(e, s), k)
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
@@ -760,14 +807,16 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                         log.write({"kind": "abort", "step": state.step, "epoch": epoch,
                                    "reason": f"{state.bad_in_a_row} bad steps in a row",
                                    "last_good_step": first - 1})
+                        if train_loader.position[0] > epoch:
+                            state.epoch_end_pending = epoch  # its last batch: the resume ends the epoch
                         path = save("abort", epoch)
                         where = path if path is not None else f"{ckdir.folder} (written by rank 0)"
                         raise TrainingAborted(
                             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
                             f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was "
                             f"applied. The last healthy checkpoint is {where}: params and optimizer state after "
-                            f"step {first - 1}, data position after the skipped batches. Lower optim.lr, check "
-                            f"the data, or try backend.precision=fp32; {_RESTART}")
+                            f"step {first - 1}, data position after the skipped batches. {_advice(reason)}; "
+                            f"{_RESTART}")
                 bar.update(1)
                 last_of_epoch = train_loader.position[0] > epoch
                 if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and not last_of_epoch
@@ -790,7 +839,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                                    "reason": f"non-finite {name} scores"})
                         log.sync()
                         raise Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
-                                       f"The last healthy checkpoint is {ckdir.describe_latest()}; {_RESTART}") from None
+                                       f"{_last_healthy(ckdir)}") from None
                     log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
                 log.flush()
                 loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
@@ -800,6 +849,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                 log.lines += 2  # rank 0 writes the valid and test lines
             state.history.append(record)
             state.epoch_losses = []
+            state.epoch_end_pending = -1
             erec = {"kind": "epoch", "epoch": epoch, "seconds": time.perf_counter() - t_epoch,
                     "tokens_per_s": tokens / max(time.perf_counter() - t_epoch, 1e-9)}
             if rank_sum is not None:

@@ -56,7 +56,16 @@ def test_running_runs_report_their_best_epoch_so_far(tmp_path):
                extra_config='\n[backend]\nprecision = "bf16"\n')
     _write_run(tmp_path / "fp32", evals=[(4, .2, .22), (9, .3, .27), (14, .31, .29)], epochs=101,
                extra_config='\n[backend]\nprecision = "fp32"\n')
-    runs = report.find_runs([tmp_path / "bf16", tmp_path / "fp32"])
+    from gr_functional.runlock import RunLock
+
+    assert report.summary_rows(report.find_runs([tmp_path / "bf16"]), ("hr@10",))[1][0]["status"] == \
+        "stopped, 10/101 epochs"  # unfinished and nobody holds its lock: killed or interrupted
+    lock = RunLock(tmp_path / "bf16")
+    lock.acquire()  # as the grf train writing it does
+    try:
+        runs = report.find_runs([tmp_path / "bf16", tmp_path / "fp32"])
+    finally:
+        lock.release()
     keys, rows = report.summary_rows(runs, ("hr@10",))
     assert keys == ["backend.precision"]
     assert rows[0]["status"] == "running, 10/101 epochs" and rows[0]["epoch"] == 9

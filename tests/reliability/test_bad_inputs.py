@@ -63,6 +63,9 @@ def _mutate(rows, kind):
         rows[3][1] = 2**31
     elif kind == "milliseconds":
         rows[3][3] = rows[3][3] * 1000
+    elif kind == "milliseconds_all":  # every timestamp: the span fits int32 seconds, the values do not
+        for r in rows:
+            r[3] = r[3] * 1000
     elif kind == "all_length_1":
         first = {}
         for r in rows:
@@ -80,6 +83,7 @@ CORPUS = {
     "item_zero": ("item_zero", [], ["item id 0", "padding id"]),
     "item_beyond_int32": ("item_beyond_int32", [], ["2147483648", "does not fit int32"]),
     "milliseconds": ("milliseconds", [], ["look like milliseconds", "Convert them to seconds"]),
+    "milliseconds_all": ("milliseconds_all", [], ["look like milliseconds", "Convert them to seconds"]),
     "all_length_1": ("all_length_1", [], ["split is empty", ">= "]),
     "num_items_too_small": (None, ["model.num_items=20"], ["model.num_items=20", "item ids up to"]),
     "max_tokens_below_max_len": (None, ["train.max_tokens=4"], ["max_tokens=4", "model.max_len"]),
@@ -111,7 +115,7 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(case, finished_run, capsys
     if content is not None:
         data = root / case / "ratings.dat"
         data.parent.mkdir(exist_ok=True)
-        if content in ("item_zero", "item_beyond_int32", "milliseconds", "all_length_1"):
+        if content in ("item_zero", "item_beyond_int32", "milliseconds", "milliseconds_all", "all_length_1"):
             write(data, _mutate(ratings(), content))
         else:
             lines = good.read_text().splitlines(keepends=True)

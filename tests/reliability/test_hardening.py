@@ -272,16 +272,80 @@ def test_newer_checkpoint_of_another_config_is_skipped_not_a_refusal(tmp_path, c
     ckdir = CheckpointDir(tmp_path / "checkpoints")
     good = ckdir.latest_valid()[0]
     other = replace(good.config, train={"seed": 7})
-    save_checkpoint(ckdir.path_for(99), good.params, good.opt_state, other, {**good.meta, "step": 99})
+    # at the very step this run will save next: it must be moved aside, not overwritten (campaign D16)
+    foreign = ckdir.path_for(15)
+    save_checkpoint(foreign, good.params, good.opt_state, other, {**good.meta, "step": 15})
+    foreign_bytes = foreign.read_bytes()
     capsys.readouterr()
     assert main(_args(tmp_path, "train.epochs=3")) == 0
     err = capsys.readouterr().err
-    assert "skipping checkpoint" in err and "step-00000099" in err and "train.seed: checkpoint 7, now 42" in err
-    assert "from step-00000010.safetensors" in err
-    assert ckdir.path_for(99).exists() and ckdir.path_for(15).exists()
+    assert "skipping checkpoint" in err and "step-00000015" in err and "train.seed: checkpoint 7, now 42" in err
+    assert "from step-00000010.safetensors" in err and "other-config" in err
+    assert (ckdir.folder / "other-config" / "step-00000015.safetensors").read_bytes() == foreign_bytes
+    assert read_checkpoint(ckdir.path_for(15)).config.train.seed == 42
     # with no checkpoint of this config left, it is still a refusal naming the keys
     for step, path in ckdir.steps():
-        if step != 99:
-            path.unlink()
+        path.unlink()
+    save_checkpoint(ckdir.path_for(99), good.params, good.opt_state, other, {**good.meta, "step": 99})
     assert main(_args(tmp_path, "train.epochs=3")) == 2
     assert "trained with a different config (train.seed: checkpoint 7, now 42)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- campaign findings
+def test_abort_on_an_epochs_last_batch_is_finished_by_the_restart(tmp_path, capsys):
+    """Campaign P08: the abort's data position was the next epoch, so the advised restart said
+    "already complete" and the epoch was never evaluated."""
+    assert main(_args(tmp_path, "train.epochs=1")) == 0
+    # epoch 1 = steps 6..10; 5 bad steps in a row end exactly on its last batch
+    assert main(_args(tmp_path, "train.epochs=2", "optim.lr=1e6", "train.max_bad_steps=5")) == 3
+    assert main(_args(tmp_path, "train.epochs=2")) == 0
+    evals = [m for m in metrics(tmp_path) if m["kind"] == "eval"]
+    assert [(m["epoch"], m["split"]) for m in evals][-2:] == [(1, "valid"), (1, "test")]
+    assert json.loads((tmp_path / "eval.json").read_text())["last_epoch"] == 1
+
+
+def test_any_eval_ks_with_10_trains_and_reports(tmp_path, capsys):
+    """Campaign C17/R04: eval.ks=[10] crashed the CLI's summary line and grf report."""
+    assert main(_args(tmp_path / "a", "train.epochs=1", "eval.ks=[10]")) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "hr@10" in out and "hr@50" not in out
+    assert main(_args(tmp_path / "b", "train.epochs=1")) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "hr@50" in table and table.count("| done |") == 2
+
+
+def test_report_tells_aborted_and_stopped_runs_from_running_ones(tmp_path, capsys):
+    assert main(_args(tmp_path / "aborted", "train.epochs=2", "optim.lr=1e6", "train.max_bad_steps=2")) == 3
+    assert main(_args(tmp_path / "stopped", "train.epochs=2", "train.max_steps=3")) == 0
+    (tmp_path / "stopped" / "eval.json").unlink()  # as a run killed before its end leaves it
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    status = {json.loads(line)["run"]: json.loads(line)["status"] for line in capsys.readouterr().out.splitlines()}
+    assert status["aborted"].startswith("aborted") and status["stopped"].startswith("stopped"), status
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "config_not_utf8", "config_is_a_folder", "eval_unknown_backend",
+                                  "toml_string_number"])
+def test_campaign_tracebacks_are_clear_errors(tmp_path, capsys, case):
+    if case == "out_is_a_file":
+        (tmp_path / "f").write_text("x")
+        code, fragment = main(_args(tmp_path / "f")), "cannot use"
+    elif case == "config_not_utf8":
+        (tmp_path / "c.toml").write_bytes(b"[model]\nembed_dim = 8 # \xff\xfe\n")
+        code, fragment = main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")]), "UTF-8"
+    elif case == "config_is_a_folder":
+        code, fragment = main(["train", "--config", str(tmp_path), "--out", str(tmp_path / "o")]), "is a folder"
+    elif case == "eval_unknown_backend":
+        assert main(_args(tmp_path / "r", "train.epochs=1", "train.max_steps=1")) == 0
+        capsys.readouterr()
+        code = main(["eval", "--checkpoint", str(tmp_path / "r" / "checkpoints" / "last.safetensors"),
+                     "--backend", "foo"])
+        fragment = "'foo' is not one of 'torch', 'jax', 'npu'"
+    else:
+        (tmp_path / "c.toml").write_text('[train]\nbatch_size = "16"\n')
+        code = main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")])
+        fragment = "train.batch_size: expected an integer, got '16' (a quoted string: drop the quotes)"
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err, err
