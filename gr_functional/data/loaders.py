@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -119,6 +120,11 @@ def _describe(fields: Sequence[str], sep: str) -> str:
     return sep.join(fields)
 
 
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_BOM = b"\xef\xbb\xbf"
+
+
 def _scan_block(path: Path, block: bytes, lineno: int, sep: str, names: Sequence[str],
                 int_cols: set[int]) -> None:
     """Slow path: raise ``DataError`` at the first malformed line of ``block`` (only run after a fast check failed)."""
@@ -141,18 +147,20 @@ def _scan_block(path: Path, block: bytes, lineno: int, sep: str, names: Sequence
             text = text.strip()
             if not text:
                 raise DataError(f"{where}: field {c + 1} ({names[c]}) is empty: {line[:120]!r}")
-            try:
-                int(text) if c in int_cols else float(text)
-            except ValueError:
+            # ASCII digits only, as the fast parser reads them (Python's int() would also take
+            # "1_2" or full-width digits, and the error would blame the whole block)
+            if not (_INT if c in int_cols else _FLOAT).fullmatch(text):
                 kind = "an integer" if c in int_cols else "a number"
                 raise DataError(f"{where}: field {c + 1} ({names[c]}) is not {kind}: {text[:40]!r} "
-                                f"in line {line[:120]!r}") from None
+                                f"in line {line[:120]!r} (ASCII digits only)") from None
 
 
 def _parse_block(path: Path, block: bytes, lineno: int, sep: str, names: Sequence[str],
                  int_cols: set[int], dtype) -> np.ndarray:
     ncols = len(names)
     sep_b = sep.encode()
+    if block.startswith(_BOM) and lineno <= 2:  # a UTF-8 byte-order mark before the first line
+        block = block[len(_BOM):]
     n_lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
 
     u8 = np.frombuffer(block, dtype=np.uint8)

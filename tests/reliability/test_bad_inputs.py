@@ -102,6 +102,8 @@ CORPUS = {
     "dtype_int8": (None, ["backend.dtype=int8"], ["--set backend.dtype=int8", "'float32', 'float64'"]),
     "max_len_zero": (None, ["model.max_len=0"], ["--set model.max_len=0: must be >= 1"]),
     "eval_batch_zero": (None, ["eval.batch_size=0"], ["--set eval.batch_size=0: must be >= 1"]),
+    "underscore_digits": ("1::1_2::5::978300760\n", [], ["ratings.dat:5", "(MovieID) is not an integer: '1_2'"]),
+    "fullwidth_digits": ("1::\uff11\uff12::5::978300760\n", [], ["ratings.dat:5", "(MovieID) is not an integer"]),
     "key_typo": (None, ["model.num_block=4"], ["--set model.num_block=4: unknown key model.num_block; did you mean "
                                                "model.num_blocks?"]),
 }
@@ -205,3 +207,10 @@ def test_short_histories_long_sequences_and_huge_user_ids(tmp_path):
 def test_sequence_longer_than_max_len_is_a_clear_jagged_error():
     with pytest.raises(JaggedError, match="length 17 > max_len=16; truncate it"):
         Jagged.from_sequences([np.arange(1, 18)], max_len=16)
+
+
+def test_a_utf8_byte_order_mark_is_read(finished_run, tmp_path):
+    _, _, good = finished_run
+    data = tmp_path / "ratings.dat"
+    data.write_bytes(b"\xef\xbb\xbf" + good.read_bytes())
+    assert main(train_args(tmp_path / "out", data, "train.max_steps=1")) == 0
