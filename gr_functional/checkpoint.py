@@ -218,8 +218,9 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     what is wrong (missing, truncated, corrupted, not a gr-functional checkpoint)."""
     path = Path(path)
     if path.is_dir():
+        inside = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         raise CheckpointError(f"checkpoint {path} is a folder; pass a checkpoint file, e.g. "
-                              f"{path / 'checkpoints' / 'last.safetensors'} or {path / 'last.safetensors'}")
+                              f"{inside / 'last.safetensors'}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     data = path.read_bytes()

@@ -311,7 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_INTERRUPTED = ("interrupted; nothing is lost: rerun the same command to resume from the last checkpoint "
+                "(OUT/checkpoints)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also during the imports before _main's own handler
+        print(f"grf: {_INTERRUPTED}", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "bench") and args.config is None and (args.command == "train"
                                                                       or args.name == "calibrate"):
@@ -343,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return code
     except KeyboardInterrupt:
-        print(f"grf: {who}interrupted; nothing is lost: rerun the same command to resume from the last "
-              f"checkpoint (OUT/checkpoints)", file=sys.stderr)
+        print(f"grf: {who}{_INTERRUPTED}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `grf report ... | head`: the reader left; not an error. Point stdout at devnull so

@@ -12,6 +12,7 @@ In a data-parallel run, rank 0 (the only rank that writes OUT) holds the lock.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -71,9 +72,13 @@ class RunLock:
         dead run whose lock was taken over, or None."""
         try:
             return self._acquire()
-        except OSError as exc:  # --out is a file, the lock path a folder, a read-only parent...
-            raise RunLocked(f"cannot use {self.out} as a run folder: {self.path}: {exc.strerror or exc}; "
-                            f"pass another --out") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):  # --out is a file, the lock a folder
+                raise RunLocked(f"cannot use {self.out} as a run folder: {exc.filename or self.path}: "
+                                f"{exc.strerror or exc}; pass another --out") from None
+            from .checkpoint import write_error  # read-only, full...: a write failure (exit 5)
+
+            raise write_error(Path(exc.filename or self.path), exc) from None
 
     def _acquire(self) -> str | None:
         if not self.out.exists():

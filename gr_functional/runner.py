@@ -69,15 +69,20 @@ _RESTART = ("to restart from it, rerun the same grf train command (same --out) w
             "--set optim.lr=1e-4): it resumes from that checkpoint")
 
 
-def _advice(reason: str) -> str:
-    """What to change after bad steps, by the last one's reason (``_bad_step``)."""
+def _advice(reason: str, cfg: Config) -> str:
+    """What to change after bad steps, by the last one's reason (``_bad_step``) and the config."""
+    ratio = cfg.train.max_update_ratio
     if reason.startswith("exploding update"):
+        if ratio < 0.05:  # below what a healthy step moves (GR's ML-1M recipe: 0.006-0.03)
+            return (f"train.max_update_ratio={ratio:g} is below the size of a normal step (about 0.01-0.03 of "
+                    f"the parameters' norm): raise it (default 1.0; 0 = no limit)")
         return ("Lower optim.lr (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
                 "intended)")
-    if reason.startswith("non-finite update"):
-        return "Set a finite, smaller optim.lr and check optim.eps"
-    return ("Check the data, model.temperature and the eps keys, lower optim.lr, or try "
-            "backend.precision=fp32")
+    suspects = ["optim.lr (a smaller one)"]
+    if cfg.model.temperature < 1e-3:
+        suspects.insert(0, f"model.temperature={cfg.model.temperature:g} (logits are cosine / temperature; "
+                           f"GR uses 0.05)")
+    return (f"Check {', '.join(suspects)}, the eps keys and the data, or try backend.precision=fp32")
 
 
 def _last_healthy(ckdir: CheckpointDir) -> str:
@@ -155,14 +160,14 @@ def data_fingerprint(data) -> str:
     return h.hexdigest()
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, source: str = "<config>") -> None:
     """Every value was checked when the config was built (``config.build_config``: types, choices,
     ranges, cross-key rules); this re-checks a Config made in code with ``dataclasses.replace``."""
     for section in dataclasses.fields(cfg):
         body = getattr(cfg, section.name)
         build_config({section.name: {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}},
-                     source="<config>")
-    config_validate(cfg, source="<config>")
+                     source=source)
+    config_validate(cfg, source=source)
 
 
 def make_backend(cfg: Config, device: str | None = None):
@@ -618,8 +623,11 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
             comm.fail(f"WriteError: {exc}")
         fix = ("raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG
                else "free space or fix the folder's permissions")
-        raise WriteError(exc.errno, f"{exc}. The last intact checkpoint is {ckdir.describe_latest()}; {fix}, then "
-                                    f"rerun the same command to resume from it") from None
+        ck, _ = ckdir.latest_valid()
+        then = (f"The last intact checkpoint is {ckdir.describe_latest()}; {fix}, then rerun the same command "
+                f"to resume from it" if ck is not None else
+                f"No checkpoint was written yet; {fix}, then rerun the same command")
+        raise WriteError(exc.errno, f"{exc}. {then}") from None
     except BaseException as exc:
         if comm is not None and not isinstance(exc, DistributedError):
             comm.fail(f"{type(exc).__name__}: {exc}")  # peers stop now instead of at a timeout
@@ -815,7 +823,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
                             f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was "
                             f"applied. The last healthy checkpoint is {where}: params and optimizer state after "
-                            f"step {first - 1}, data position after the skipped batches. {_advice(reason)}; "
+                            f"step {first - 1}, data position after the skipped batches. {_advice(reason, cfg)}; "
                             f"{_RESTART}")
                 bar.update(1)
                 last_of_epoch = train_loader.position[0] > epoch
@@ -910,7 +918,7 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
 
         kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in HSTU_KERNELS.get(backend, ()) else "default"
         cfg = replace(cfg, backend={"name": backend, "hstu_kernel": kernel})  # the run's kernel may not exist there
-        validate(cfg)
+        validate(cfg, source=f"--backend {backend}")
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)

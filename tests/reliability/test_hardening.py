@@ -349,3 +349,30 @@ def test_campaign_tracebacks_are_clear_errors(tmp_path, capsys, case):
         fragment = "train.batch_size: expected an integer, got '16' (a quoted string: drop the quotes)"
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err, err
+
+
+def test_read_only_folder_is_a_write_failure_even_for_the_lock(tmp_path, capsys, monkeypatch):
+    """Recheck W05: a finished run's folder made read-only failed at the lock file with exit 2."""
+    assert main(_args(tmp_path, "train.epochs=1")) == 0
+    real_open = os.open
+
+    def read_only(path, flags, *a, **k):
+        if str(path).endswith(".grf.lock") and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", read_only)
+    capsys.readouterr()
+    assert main(_args(tmp_path, "train.epochs=2")) == 5
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / '.grf.lock'}: Read-only file system" in err
+    assert "The last intact checkpoint is" in err and "step-00000005.safetensors" in err
+
+
+@pytest.mark.parametrize("extra,advice", [
+    (["train.max_update_ratio=1e-12"], "train.max_update_ratio=1e-12 is below the size of a normal step"),
+    (["model.temperature=1e-30"], "Check model.temperature=1e-30"),
+])
+def test_abort_advice_names_the_cause(tmp_path, capsys, extra, advice):
+    assert main(_args(tmp_path, "train.epochs=1", "train.max_bad_steps=2", *extra)) == 3
+    assert advice in capsys.readouterr().err
