@@ -195,6 +195,10 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.meta.get("step", 0))
 
+    def describe(self) -> str:
+        """``"PATH (step N, epoch E)"``: for messages that tell the user where their work is."""
+        return f"{self.path} (step {self.step}, epoch {self.meta.get('epoch')})"
+
 
 def _header(path: Path, data: bytes) -> dict:
     """The safetensors JSON header (8-byte little-endian length, then JSON)."""
@@ -406,16 +410,6 @@ class CheckpointDir:
             skipped.append((path, reason))
         return None, skipped
 
-    def describe_latest(self) -> str:
-        """``"PATH (step N)"`` of the newest valid checkpoint, or a sentence saying there is none:
-        for error messages that must tell the user where their work is."""
-        try:
-            ck, _ = self.latest_valid()
-        except OSError:
-            ck = None
-        if ck is None:
-            return f"none in {self.folder}"
-        return f"{ck.path} (step {ck.step}, epoch {ck.meta.get('epoch')})"
 
     def clear(self) -> int:
         """Delete every checkpoint, the index, ``last`` and temp files (``grf train --fresh``);

@@ -66,6 +66,7 @@ unknown (no /proc) means no check.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -100,13 +101,10 @@ class Item(NamedTuple):
 
 
 def param_count(cfg) -> int:
-    """Parameters of ``model.init_params`` (shapes in its docstring), without allocating them."""
-    m = cfg.model
-    D, n = m.embed_dim, m.norm_len
-    hv = m.num_heads * m.dv
-    block = D * sum(m.uvqk_splits) + hv * D + D
-    block += (2 * n - 1 if m.pos_bias else 0) + (m.num_time_buckets + 1 if m.time_bias else 0)
-    return (m.num_items + 1) * D + (n + 1) * D + m.num_blocks * block
+    """Parameters of ``model.init_params`` (``model.param_shapes``), without allocating them."""
+    from .model import param_shapes
+
+    return sum(math.prod(shape) for shape in param_shapes(cfg.model).values())
 
 
 def token_capacity(cfg, data, batch_size: int | None = None) -> int:

@@ -17,17 +17,21 @@ from .batch import HSTUBatch
 from .config import ModelConfig
 
 
-def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict:
-    """The shape of every parameter ``init_params`` makes, as the same nested dict of tuples
-    (no allocation: checkpoints and memory estimates are checked against it)."""
+def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
+    """``{path: shape}`` of every parameter ``init_params`` makes, paths as ``tree.tree_items``
+    names them (``blocks.0.w_uvqk``); no allocation: checkpoints and the memory estimate are
+    checked against it."""
     n_items = num_items or cfg.num_items
     D, n, hv = cfg.embed_dim, cfg.norm_len, cfg.num_heads * cfg.dv
-    block = {"w_uvqk": (D, sum(cfg.uvqk_splits)), "w_o": (hv, D), "b_o": (D,)}
-    if cfg.pos_bias:
-        block["rab_pos"] = (2 * n - 1,)
-    if cfg.time_bias:
-        block["rab_time"] = (cfg.num_time_buckets + 1,)
-    return {"item_emb": (n_items + 1, D), "pos_emb": (n + 1, D), "blocks": [dict(block) for _ in range(cfg.num_blocks)]}
+    shapes = {"item_emb": (n_items + 1, D), "pos_emb": (n + 1, D)}
+    for i in range(cfg.num_blocks):
+        shapes.update({f"blocks.{i}.w_uvqk": (D, sum(cfg.uvqk_splits)), f"blocks.{i}.w_o": (hv, D),
+                       f"blocks.{i}.b_o": (D,)})
+        if cfg.pos_bias:
+            shapes[f"blocks.{i}.rab_pos"] = (2 * n - 1,)
+        if cfg.time_bias:
+            shapes[f"blocks.{i}.rab_time"] = (cfg.num_time_buckets + 1,)
+    return shapes
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -> dict:

@@ -91,7 +91,7 @@ def _last_healthy(ckdir: CheckpointDir) -> str:
     if ck is None:
         return (f"No healthy checkpoint exists in {ckdir.folder}; fix the cause and rerun with --fresh to "
                 f"start over")
-    return f"The last healthy checkpoint is {ckdir.describe_latest()}; {_RESTART}"
+    return f"The last healthy checkpoint is {ck.describe()}; {_RESTART}"
 
 
 class DistributedError(RuntimeError):
@@ -435,19 +435,7 @@ def _world_size() -> int:
 def check_param_shapes(ck: Checkpoint) -> None:
     """``CheckpointError`` when the checkpoint's params (and AdamW moments) do not have the shapes
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
-    expected: dict = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for key, sub in node.items():
-                walk(sub, f"{prefix}{key}.")
-        elif isinstance(node, list):
-            for i, sub in enumerate(node):
-                walk(sub, f"{prefix}{i}.")
-        else:
-            expected[prefix[:-1]] = tuple(node)
-
-    walk(model.param_shapes(ck.config.model), "")
+    expected = model.param_shapes(ck.config.model)
     trees = [("params", ck.params)]
     if ck.opt_state is not None:
         trees += [(f"opt.{m}", ck.opt_state[m]) for m in ("mu", "nu") if m in ck.opt_state]
@@ -623,8 +611,11 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
             comm.fail(f"WriteError: {exc}")
         fix = ("raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG
                else "free space or fix the folder's permissions")
-        ck, _ = ckdir.latest_valid()
-        then = (f"The last intact checkpoint is {ckdir.describe_latest()}; {fix}, then rerun the same command "
+        try:
+            ck, _ = ckdir.latest_valid()
+        except OSError:  # the folder itself may be what failed
+            ck = None
+        then = (f"The last intact checkpoint is {ck.describe()}; {fix}, then rerun the same command "
                 f"to resume from it" if ck is not None else
                 f"No checkpoint was written yet; {fix}, then rerun the same command")
         raise WriteError(exc.errno, f"{exc}. {then}") from None
