@@ -135,7 +135,7 @@ def limits(timeout_s: float) -> Limits:
 
 
 def _error_cls():
-    from gr_functional.runner import DistributedError
+    from gr_functional.errors import DistributedError
 
     return DistributedError
 

@@ -38,32 +38,12 @@ from safetensors.numpy import save as st_save
 
 from .config import Config, build_config, config_to_toml
 from .tree import tree_from_items, tree_items
+from .errors import CheckpointError, NonFiniteState, WriteError  # noqa: F401 (re-exported)
 
 FORMAT = "gr-functional/2"
 READABLE_FORMATS = ("gr-functional/1", FORMAT)
 INDEX_FORMAT = "gr-functional/checkpoints/1"
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, damaged or does not fit this run; the message names the file."""
-
-
-class NonFiniteState(CheckpointError):
-    """Params or optimizer state hold NaN/Inf: such a state is never written (it would poison
-    every resume) and a checkpoint holding one is never resumed from."""
-
-
-class WriteError(OSError):
-    """A file under OUT could not be written (read-only folder, full disk, file-size limit); the
-    message names the file and the OS's reason. No partial file is left that a resume trusts."""
-
-    def __init__(self, code: int | None, message: str):
-        super().__init__(code, message)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def first_non_finite(tree: dict | None, prefix: str = "") -> str | None:

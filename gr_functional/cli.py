@@ -330,20 +330,11 @@ def _main(argv: list[str] | None = None) -> int:
         args.config = DEFAULT_CONFIG
     from backends import BackendUnavailable
 
-    from .checkpoint import CheckpointError, WriteError
-    from .config import ConfigError
-    from .jagged import JaggedError
-    from .report import ReportError
-    from .runlock import RunLocked
-    from .runner import DistributedError, TrainingAborted
+    from .errors import (CheckpointError, ConfigError, DataError, DistributedError, JaggedError, ReportError,
+                         RunLocked, TrainingAborted, WriteError)
 
     user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError,
-                          ReportError, RunLocked)
-    try:
-        from .data.loaders import DataError
-        user_errors += (DataError,)
-    except ImportError:
-        pass
+                          ReportError, RunLocked, DataError)
     rank = _launched_rank()
     who = "" if rank is None else f"rank {rank}: "  # every rank of a torchrun job prints its own errors
     if hasattr(signal, "SIGXFSZ"):

@@ -17,10 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key and how to fix it."""
+from .errors import ConfigError  # noqa: F401 (re-exported)
 
 
 # ----------------------------------------------------------------------------- choices

@@ -20,13 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from .tree import static_field
+from .errors import JaggedError  # noqa: F401 (re-exported)
 
 INDEX_DTYPE = np.int32
 _INT32 = np.iinfo(np.int32)
-
-
-class JaggedError(ValueError):
-    """A jagged array was malformed; the message says what and how to fix it."""
 
 
 def round_up_capacity(n: int, minimum: int = 8) -> int:

@@ -19,6 +19,7 @@ import json
 import math
 import tomllib
 from pathlib import Path
+from .errors import ReportError  # noqa: F401 (re-exported)
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
@@ -28,10 +29,6 @@ _BOOKKEEPING = ("train.eval_every", "train.log_every", "train.checkpoint_every",
 # keys that change how the same math is executed (rounding, speed), not the model: seeds of one
 # config run with different ones still form one group
 _EXECUTION = ("backend.deterministic", "backend.hstu_kernel", "backend.device", "model.attention_tile")
-
-
-class ReportError(ValueError):
-    """A path that is not a run directory, or a run file that cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)

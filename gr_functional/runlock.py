@@ -19,12 +19,9 @@ import os
 import socket
 import sys
 from pathlib import Path
+from .errors import RunLocked  # noqa: F401 (re-exported)
 
 LOCK_NAME = ".grf.lock"
-
-
-class RunLocked(RuntimeError):
-    """Another live run holds the folder's lock; the message names it (``grf`` exits 2)."""
 
 
 def _describe(text: str) -> str:

@@ -53,16 +53,9 @@ from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
 from .train import init_loss_scale, init_opt_state, make_scorer, make_train_step
 from .tree import tree_items
+from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
 
 RESUME_MODES = ("auto", "must", "never")
-
-
-class TrainingAborted(RuntimeError):
-    """Too many non-finite steps in a row; the message names the saved checkpoint and what to try."""
-
-
-class Diverged(TrainingAborted):
-    """Evaluation produced non-finite scores: the model diverged (``grf train``/``eval`` exit 3)."""
 
 
 _RESTART = ("to restart from it, rerun the same grf train command (same --out) with the cause fixed (e.g. "
@@ -92,11 +85,6 @@ def _last_healthy(ckdir: CheckpointDir) -> str:
         return (f"No healthy checkpoint exists in {ckdir.folder}; fix the cause and rerun with --fresh to "
                 f"start over")
     return f"The last healthy checkpoint is {ck.describe()}; {_RESTART}"
-
-
-class DistributedError(RuntimeError):
-    """A data-parallel rank died or hung, or a collective failed; the message names the rank
-    (``grf train`` exits 4)."""
 
 
 DIST_TORCH_BACKENDS = ("torch", "npu")
@@ -132,7 +120,7 @@ def check_data(data, splits) -> None:
     and count exact duplicate rows (kept; ``data.describe()`` reports them); per-user time order is
     restored by a stable sort. ``memory.check_fits`` (called next) checks the config against the
     data: ``model.num_negatives`` against the items, the memory estimate against what is free."""
-    from .data.loaders import DataError
+    from .errors import DataError
 
     name = data.source or data.name or "dataset"
     if data.num_events and int(data.times.max()) - int(data.times.min()) > _INT32_MAX:
@@ -521,7 +509,7 @@ def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, f
 def _resume_on_all_ranks(comm, find):
     """Rank 0 runs ``find()`` (it alone reads OUT) and broadcasts the result, or its error, to
     every rank; a user error is raised on every rank with the same class and message."""
-    from .data.loaders import DataError
+    from .errors import DataError
 
     user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError, RunLocked)}
     decision = None

@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from .loaders import DataError
+from ..errors import DataError
 from .paths import ENV_VAR, data_dir
 
 LICENSE_NOTE = ("MovieLens is published by GroupLens Research (University of Minnesota) for research use; "

@@ -28,7 +28,7 @@ from .. import balance
 from ..batch import HSTUBatch, make_batch
 from ..config import DistBalance, ModelConfig, choices
 from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
-from .loaders import DataError
+from ..errors import DataError
 from .sequences import SequenceData
 from .split import EvalSet
 

@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+from ..errors import DataError  # noqa: F401 (re-exported)
 
 _BLOCK_BYTES = 64 << 20
 _WHITESPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed; the message names the file (and line) and how to fix it."""
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .loaders import DataError
+from ..errors import DataError
 
 ENV_VAR = "GRF_DATA_DIR"
 

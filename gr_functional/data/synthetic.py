@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .loaders import DataError
+from ..errors import DataError
 from .sequences import SequenceData
 
 # np.percentile(exposures, 0..100, method="inverted_cdf") of the 27,285 KuaiRand-27K users

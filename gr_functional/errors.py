@@ -1,0 +1,62 @@
+"""Every error a user can hit, in one leaf module (imports nothing of the package).
+
+Each carries a message naming the file, line or key and the fix; ``grf`` maps the class to its
+exit code (README "Commands"): ConfigError / DataError / CheckpointError / RunLocked 2,
+TrainingAborted / Diverged 3, DistributedError 4, WriteError 5. Modules raise these; the old
+import paths (``config.ConfigError``, ``data.loaders.DataError``, ...) still work.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and how to fix it."""
+
+
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file (and line) and how to fix it."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged or does not fit this run; the message names the file."""
+
+
+class NonFiniteState(CheckpointError):
+    """Params or optimizer state hold NaN/Inf: such a state is never written (it would poison
+    every resume) and a checkpoint holding one is never resumed from."""
+
+
+class WriteError(OSError):
+    """A file under OUT could not be written (read-only folder, full disk, file-size limit); the
+    message names the file and the OS's reason. No partial file is left that a resume trusts."""
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(code, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class RunLocked(RuntimeError):
+    """Another live run holds the folder's lock; the message names it (``grf`` exits 2)."""
+
+
+class TrainingAborted(RuntimeError):
+    """Too many non-finite steps in a row; the message names the saved checkpoint and what to try."""
+
+
+class Diverged(TrainingAborted):
+    """Evaluation produced non-finite scores: the model diverged (``grf train``/``eval`` exit 3)."""
+
+
+class DistributedError(RuntimeError):
+    """A data-parallel rank died or hung, or a collective failed; the message names the rank
+    (``grf train`` exits 4)."""
+
+
+class JaggedError(ValueError):
+    """A jagged array was malformed; the message says what and how to fix it."""
+
+
+class ReportError(ValueError):
+    """A path that is not a run directory, or a run file that cannot be read."""
