@@ -39,7 +39,7 @@ def step_setup(name: str, base_cfg):
         cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
         lengths = np.random.default_rng(0).choice(kuairand_lengths(cfg.model.max_len), size=16, replace=False)
         return cfg, synthetic_batch(cfg.model, lengths, seed=0)
-    from gr_functional.data import loader, split as split_mod
+    from gr_functional.data import batching, split as split_mod
     from gr_functional.runner import load_sequences, resolve
 
     from gr_functional.cli import _config_path
@@ -49,7 +49,7 @@ def step_setup(name: str, base_cfg):
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
-    return cfg, loader.TrainLoader.from_config(splits.train, cfg).batch(0, 0)
+    return cfg, batching.TrainLoader.from_config(splits.train, cfg).batch(0, 0)
 
 
 def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:

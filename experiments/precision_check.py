@@ -26,7 +26,7 @@ def main() -> None:
     from gr_functional import model
     from gr_functional.cli import _config_path
     from gr_functional.config import load_config, replace
-    from gr_functional.data import loader, split
+    from gr_functional.data import batching, split
     from gr_functional.runner import load_sequences, make_backend, resolve
     from gr_functional.train import init_opt_state, make_train_step
 
@@ -40,7 +40,7 @@ def main() -> None:
     cfg = load_config(_config_path(args.config), args.set)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
-    train_loader = loader.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
+    train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
     n = min(args.steps + 2, train_loader.steps_in_epoch(0))
     batches = [train_loader.batch(0, s) for s in range(n)]
     tokens = [b.layout.num_tokens() for b in batches]

@@ -232,7 +232,7 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
             if _array_sha256(arr) != expected[name]:
                 raise CheckpointError(f"checkpoint {path} is corrupted: checksum mismatch in tensor {name}")
     try:
-        cfg = build_config(tomllib.loads(config_text), source=f"{path} (embedded config)")
+        cfg = build_config(tomllib.loads(config_text), source=f"{path} (embedded config)", stored=True)
         meta = json.loads(meta_text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has an unreadable config or meta: {exc}") from None

@@ -165,12 +165,12 @@ def cmd_crosscheck(args) -> int:
         raise SystemExit("grf crosscheck: --backends takes two names, e.g. --backends jax,torch")
     backends = [get_backend(n, dtype=cfg.backend.dtype) for n in names]
     if cfg.model.num_items == 0 or cfg.data.dataset != "synthetic":
-        from .data import loader, split
+        from .data import batching, split
 
         data = load_sequences(cfg)
         cfg = resolve(cfg, data)
         cfg = replace(cfg, train={"batch_size": args.users, "max_tokens": 0})
-        train_loader = loader.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
+        train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
         batch = next(iter(train_loader.epoch(0)))
     else:
         batch = random_batch(cfg, seed=cfg.train.seed, num_users=args.users)

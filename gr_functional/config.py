@@ -97,9 +97,6 @@ class ModelConfig:
     time_bias: bool = True          # relative (log-bucketed) time attention bias
     input_dropout: float = _range(0.2, ge=0.0, lt=1.0)
     linear_dropout: float = _range(0.2, ge=0.0, lt=1.0)
-    # logits are cosine / temperature: 0 divides by zero (the loss is undefined)
-    temperature: float = _range(0.05, gt=0.0)
-    num_negatives: int = _range(128, ge=1)
     ln_eps: float = _range(1e-6, gt=0.0)   # 0: a constant row divides 0 by 0
     l2_eps: float = _range(1e-6, gt=0.0)
     # Chunk length of the jagged attention's tile plan (Jagged.with_tiles), built with every batch;
@@ -125,6 +122,20 @@ class ModelConfig:
     def uvqk_splits(self) -> tuple[int, int, int, int]:
         h = self.num_heads
         return (h * self.dv, h * self.dv, h * self.dqk, h * self.dqk)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The training loss (gr_functional/losses.py): ``name`` is a registered loss; the shipped
+    ones are "sampled_softmax" (GR's: each position's target against num_negatives uniformly
+    sampled items) and "in_batch" (the batch's other targets as negatives, TurboGR's shared
+    logits). Losses registered from a script (``@losses.register``, ``grf train --plugin``) read
+    the same keys."""
+
+    name: str = "sampled_softmax"
+    # logits are cosine / temperature: 0 divides by zero (the loss is undefined)
+    temperature: float = _range(0.05, gt=0.0)
+    num_negatives: int = _range(128, ge=1)  # sampled per supervised position (sampled_softmax)
 
 
 Schedule = Literal["constant", "cosine", "linear"]
@@ -251,6 +262,7 @@ class DistConfig:
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -314,11 +326,37 @@ def _hints(cls):
     return typing.get_type_hints(cls)
 
 
-def build_config(values: dict, source: str = "<config>", origins: dict | None = None) -> Config:
+# Keys that moved: (old section, key) -> new section. Configs written by a run (OUT/config.toml,
+# checkpoints) are migrated on reading; a user's file or --set naming the old place is an error
+# saying where the key lives now.
+MOVED_KEYS = {("model", "temperature"): "loss", ("model", "num_negatives"): "loss"}
+
+
+def _migrate(values: dict, source: str, origins: dict, stored: bool) -> dict:
+    values = {name: dict(body) if isinstance(body, dict) else body for name, body in values.items()}
+    for (old, key), new in MOVED_KEYS.items():
+        if not isinstance(values.get(old), dict) or key not in values[old]:
+            continue
+        if not stored:
+            where = origins.get((old, key), source)
+            raise ConfigError(f"{where}: {old}.{key} moved to [{new}]: write `{key} = ...` under [{new}] "
+                              f"(--set {new}.{key}=...)")
+        value = values[old].pop(key)
+        values.setdefault(new, {}).setdefault(key, value)
+    return values
+
+
+def build_config(values: dict, source: str = "<config>", origins: dict | None = None,
+                 stored: bool = False) -> Config:
     """Config from a nested dict ``{section: {key: value}}``, every value checked (type, choices,
     range, then ``validate``). Errors name the value's origin: ``origins[(section, key)]`` (e.g.
-    ``"--set model.num_blocks=4"``) when given, else ``source`` (the file)."""
+    ``"--set model.num_blocks=4"``) when given, else ``source`` (the file).
+
+    ``stored``: the config was written by a run (a checkpoint's or OUT/config.toml): keys of
+    older versions are migrated (``MOVED_KEYS``) and registry names (dataset, loss, kernel) are
+    not looked up, so a checkpoint of a plugin's loss can be read without that plugin."""
     origins = origins or {}
+    values = _migrate(values, source, origins, stored)
     sections = {}
     for name, body in values.items():
         if name not in SECTIONS:
@@ -346,26 +384,32 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
                 _check_range(kwargs[key], bounds, full)
         sections[name] = cls(**kwargs)
     cfg = Config(**sections)
-    validate(cfg, source=source, origins=origins)
+    validate(cfg, source=source, origins=origins, registries=not stored)
     return cfg
 
 
-def validate(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+def validate(cfg: Config, source: str = "<config>", origins: dict | None = None, registries: bool = True) -> None:
     """Rules joining several keys (single values were checked by ``build_config``); ``ConfigError``
-    names the key, its origin and the fix."""
+    names the key, its origin and the fix. ``registries``: also look the registry names up
+    (``loss.name``; the registries import lazily: they import this module)."""
     origins = origins or {}
 
     def fail(section: str, key: str, message: str):
         where = origins.get((section, key), source)
         raise ConfigError(f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}")
 
-    b, m, e = cfg.backend, cfg.model, cfg.eval
+    b, e = cfg.backend, cfg.eval
     kernels = HSTU_KERNELS.get(b.name, ())
     if b.hstu_kernel not in kernels:
         fail("backend", "hstu_kernel", f"the {b.name} backend has no such kernel; valid for {b.name}: "
                                        f"{', '.join(kernels)}")
-    if b.precision == "fp16" and 1.0 / m.temperature >= 65504.0:
-        fail("model", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
+    if registries:
+        from . import losses
+
+        if cfg.loss.name not in losses.names():
+            fail("loss", "name", losses.unknown_message(cfg.loss.name))
+    if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
+        fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
                                      "1.6e-5 or use backend.precision=bf16/fp32")
     if cfg.optim.schedule != "constant" and cfg.optim.decay_steps < 1:
         fail("optim", "decay_steps", f"optim.schedule={cfg.optim.schedule!r} decays over decay_steps updates; "

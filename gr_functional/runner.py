@@ -23,7 +23,7 @@ step. All randomness is numpy ``default_rng((train.seed, epoch[, step]))`` drawn
 so the position and the seed are the whole RNG state.
 
 Data-parallel (README "Distributed training"): under torchrun (``WORLD_SIZE > 1``) every rank
-runs ``train``; each trains its share of every global batch (``data.loader.RankSplit``) with
+runs ``train``; each trains its share of every global batch (``data.batching.RankSplit``) with
 ``train.make_dist_train_step`` over a ``backends.dist_torch.TorchCollective``. Rank 0 alone
 reads and writes OUT (config, metrics, timing, checkpoints, eval.json, curves) and evaluates;
 the resume decision and checkpoint state are broadcast from it, so OUT need only exist on rank
@@ -174,11 +174,11 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
     """HR@K / NDCG@K / MRR on leave-one-out ``examples`` (split.test or split.valid): full-catalogue
     ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history.
     ``on_batch()``, if given, is called before each batch (the distributed watchdog's progress)."""
-    from .data import loader, metrics
+    from .data import batching, metrics
 
     scorer = scorer or make_scorer(B, cfg)
     ranks = []
-    for batch, targets, exclude in loader.iter_eval(examples, cfg.model, cfg.eval.batch_size,
+    for batch, targets, exclude in batching.iter_eval(examples, cfg.model, cfg.eval.batch_size,
                                                     max_users=max_users or cfg.eval.max_users):
         if on_batch is not None:
             on_batch()
@@ -541,7 +541,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     docstring): ranks other than 0 return ``{"rank": r, "steps": ...}`` and write nothing.
     Raises ``DistributedError`` (naming the rank) when a rank dies or hangs.
     """
-    from .data import loader, split as split_mod
+    from .data import batching, split as split_mod
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -560,7 +560,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     check_data(data, splits)
     check_fits(cfg, data)  # negatives vs items, estimated memory vs available: before any allocation
     fingerprint = data_fingerprint(data)
-    train_loader = loader.TrainLoader.from_config(splits.train, cfg, world_size=world)
+    train_loader = batching.TrainLoader.from_config(splits.train, cfg, world_size=world)
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
 
     comm, device = None, None

@@ -10,7 +10,7 @@
 # ``fetch`` stays the submodule (``fetch.fetch(name)``): re-exporting the function would shadow it.
 from . import fetch
 from .datasets import DATASETS, load_dataset
-from .loader import TrainLoader, eval_batches, iter_eval
+from .batching import TrainLoader, eval_batches, iter_eval
 from .loaders import DataError, Interactions, load_kuairand_log, load_movielens_1m, load_movielens_20m
 from .metrics import metrics_from_ranks, ranks_from_scores
 from .paths import data_dir, dataset_label, dataset_path

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     from backends.jax import make_sharded_train_step, stack_rank_batches
     from gr_functional import model
     from gr_functional.config import load_config
-    from gr_functional.data import loader, split
+    from gr_functional.data import batching, split
     from gr_functional.runner import load_sequences, resolve
     from gr_functional.train import init_opt_state, rank_scales
     from gr_functional.tree import tree_items
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(ROOT / "experiments" / "configs" / "quickstart.toml", sets)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
-    train_loader = loader.TrainLoader.from_config(split.leave_one_out(data).train, cfg, world_size=R)
+    train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg, world_size=R)
     B = get_backend("jax")
     params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
     opt_state = init_opt_state(B, params, cfg)

@@ -7,7 +7,7 @@ import pytest
 from backends import get_backend
 from gr_functional import balance, model
 from gr_functional.config import ConfigError, replace
-from gr_functional.data import loader, split
+from gr_functional.data import batching, split
 from gr_functional.data.loaders import DataError
 from gr_functional.runner import load_sequences, resolve, validate
 from gr_functional.train import init_opt_state, micro_grads, rank_grads, rank_scales
@@ -27,7 +27,7 @@ def setup():
 
 def _loader(setup, world=2, **dist):
     cfg, train = setup
-    return loader.TrainLoader.from_config(train, replace(cfg, dist=dist) if dist else cfg, world_size=world)
+    return batching.TrainLoader.from_config(train, replace(cfg, dist=dist) if dist else cfg, world_size=world)
 
 
 @pytest.mark.parametrize("policy", ["none", "kk", "lookahead"])

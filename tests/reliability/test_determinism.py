@@ -9,7 +9,7 @@ import torch
 from backends import get_backend
 from gr_functional import model
 from gr_functional.config import Config
-from gr_functional.data.loader import TrainLoader
+from gr_functional.data.batching import TrainLoader
 from gr_functional.data.split import leave_one_out
 from gr_functional.data.synthetic import make_synthetic
 from gr_functional.train import init_opt_state, make_train_step
@@ -25,7 +25,7 @@ def _one_step(seed):
     torch.manual_seed(seed)
     data = leave_one_out(make_synthetic(40, CFG.num_items, 20, 1.05, 0)).train
     loader = TrainLoader(data, CFG, batch_size=8, seed=3)
-    loader.load_state_dict({"epoch": 2, "step": 1})
+    batching.load_state_dict({"epoch": 2, "step": 1})
     batch = next(iter(loader))
     B = get_backend("torch")
     cfg = Config(model=CFG)

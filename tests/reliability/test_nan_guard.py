@@ -11,7 +11,7 @@ import pytest
 from backends import get_backend
 from gr_functional import model
 from gr_functional.checkpoint import CheckpointDir, read_checkpoint
-from gr_functional.data.loader import TrainLoader
+from gr_functional.data.batching import TrainLoader
 from gr_functional.train import init_opt_state, train_step
 from gr_functional.tree import tree_items
 
