@@ -19,6 +19,15 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def backend_class(name: str) -> type:
+    """The Backend subclass registered as ``name``. Imports its module, which imports no array
+    library (they load when a backend is created)."""
+    if name not in _REGISTRY:
+        raise BackendUnavailable(f"unknown backend {name!r}; backends: {', '.join(_REGISTRY)}")
+    module_name, cls_name = _REGISTRY[name]
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
 def backend_status(name: str) -> tuple[bool, str]:
     """``(True, "ok")`` if ``get_backend(name)`` would succeed, else ``(False, reason)``."""
     try:
@@ -45,4 +54,4 @@ def get_backend(name: str, **options) -> Backend:
     return getattr(module, cls_name)(**options)
 
 
-__all__ = ["Backend", "BackendUnavailable", "backend_names", "backend_status", "get_backend"]
+__all__ = ["Backend", "BackendUnavailable", "backend_class", "backend_names", "backend_status", "get_backend"]

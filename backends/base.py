@@ -20,6 +20,8 @@ import numpy as np
 from gr_functional.jagged import Jagged
 from gr_functional.tree import tree_map
 
+from .kernels import NO_BIAS, AttentionBias
+
 TIME_BUCKET_DIVISOR = 0.301  # generative-recommenders: floor(log(max(|dt|, 1)) / 0.301)
 
 
@@ -67,33 +69,52 @@ class Backend:
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
     # only the sampled rows.
     DENSE_LOGITS_MAX_RATIO = 64
-    # "jagged": hstu_attention runs hstu_attention_tiled where the layout's tile plan saves
-    # enough work; "tiled": whenever there is a plan; "reference": always the padded oracle.
-    # Backends take it as their hstu_kernel option.
-    attention_kernel = "reference"
+    # The attention kernel (backends/kernels.py registry) that backend.hstu_kernel = "default"
+    # selects here.
+    default_hstu_kernel = "jagged"
+    # The argument type of hstu_attention's bias, reachable from model code as B.AttentionBias
+    # (gr_functional imports no backend module).
+    AttentionBias = AttentionBias
     # where arrays created inside ops (aranges) live: None = the library default (JAX places them
     # with their inputs); torch sets its device, else CUDA ops would meet CPU constants
     array_device = None
 
     def __init__(self, device: str | None = None, dtype: str = "float32"):
+        """Subclasses set up their library and device, then call ``use_hstu_kernel(hstu_kernel)``
+        last (kernel factories may read the device)."""
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         self.device = device
         self.dtype_name = dtype
         self._thresholds_cache: dict[int, Any] = {}
+        self.hstu_kernel: str | None = None   # the resolved kernel name (config.toml keeps "default")
+        self._attention = None                # its fn(B, q, k, v, layout, norm_len, bias)
 
     def __repr__(self):
         return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r})"
 
-    def check_hstu_kernel(self, kernel: str) -> str:
-        """``kernel`` if this backend has it (the names are declared once, in
-        ``gr_functional.config.HSTU_KERNELS``), else ``ValueError`` listing the valid ones."""
-        from gr_functional.config import HSTU_KERNELS
+    @property
+    def device_kind(self) -> str:
+        """The kind of device arrays live on ("cpu", "cuda", "npu", "gpu", ...), as attention
+        kernels declare the devices they run on."""
+        return (self.device or "cpu").split(":")[0]
 
-        valid = [k for k in HSTU_KERNELS[self.name] if k != "default"]
-        if kernel not in valid:
-            raise ValueError(f"backend.hstu_kernel for {self.name} must be one of {', '.join(valid)}, got {kernel!r}")
-        return kernel
+    def use_hstu_kernel(self, kernel: str = "default") -> None:
+        """Select the attention kernel ``kernel`` of the registry (backends/kernels.py; "default":
+        ``default_hstu_kernel``). ConfigError naming the option when the kernel does not run this
+        backend, dtype or device; BackendUnavailable with the reason when it cannot run here."""
+        from . import kernels
+
+        spec, fn = kernels.build(self, kernel)
+        self.hstu_kernel, self._attention = spec.name, fn
+
+    def with_hstu_kernel(self, kernel: str) -> "Backend":
+        """A shallow copy of this backend running attention kernel ``kernel`` (benchmarks compare
+        kernels on one backend); ``self`` is unchanged."""
+        view = copy.copy(self)
+        view.__dict__.pop("_precision_views", None)
+        view.use_hstu_kernel(kernel)
+        return view
 
     # ------------------------------------------------------------------ transforms (abstract)
     xp: Any = None
@@ -163,6 +184,10 @@ class Backend:
             return self
         if precision not in COMPUTE_DTYPES:
             raise ValueError(f"precision must be one of {', '.join(['fp32', *COMPUTE_DTYPES])}, got {precision!r}")
+        if self.hstu_kernel is not None:  # the kernel must run this precision (refused by name)
+            from .kernels import check_kernel
+
+            check_kernel(self.hstu_kernel, self.name, precision=precision)
         views = self.__dict__.setdefault("_precision_views", {})
         if precision not in views:
             cls = type(self)
@@ -275,10 +300,11 @@ class Backend:
             self._thresholds_cache[num_buckets] = time_bucket_thresholds(num_buckets)
         return self.asarray(self._thresholds_cache[num_buckets])
 
-    def relative_bias(self, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None, query_ts=None):
-        """Dense relative attention bias ``[B, L, L]`` of one HSTU layer (shared by all heads).
+    def relative_bias(self, layout: Jagged, norm_len: int, bias: AttentionBias = NO_BIAS):
+        """Dense relative attention bias ``[B, L, L]`` of one HSTU layer (shared by all heads),
+        from the parameters of ``bias`` (``AttentionBias``; n = ``norm_len``):
 
-        pos_w[2n-1]: ``rab_pos[i, j] = pos_w[(n-1) + j - i]`` (n = ``norm_len``).
+        pos_w[2n-1]: ``rab_pos[i, j] = pos_w[(n-1) + j - i]``.
         ts_w[K+1], ts[T] int32, query_ts[T] int32:
           ``rab_time[b, i, j] = ts_w[bucket(query_ts[i] - ts[j])]`` with
           ``bucket(dt) = clamp(floor(log(max(|dt|, 1)) / 0.301), 0, K)``.
@@ -287,20 +313,19 @@ class Backend:
         """
         xp = self.xp
         L = layout.max_len
-        bias = None
-        if pos_w is not None:
+        rab = None
+        if bias.pos_w is not None:
             i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (L, 1))
             j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, L))
             rel = (norm_len - 1) + j - i
-            bias = xp.reshape(self.gather_table(pos_w, rel), (1, L, L))
-        if ts_w is not None:
-            num_buckets = ts_w.shape[0] - 1
-            ts_d = self.gather_rows(self._ext(ts), layout.dense_index)          # [B, L]
-            q_d = self.gather_rows(self._ext(query_ts), layout.dense_index)     # [B, L]
+            rab = xp.reshape(self.gather_table(bias.pos_w, rel), (1, L, L))
+        if bias.ts_w is not None:
+            ts_d = self.gather_rows(self._ext(bias.ts), layout.dense_index)          # [B, L]
+            q_d = self.gather_rows(self._ext(bias.query_ts), layout.dense_index)     # [B, L]
             gap = xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
-            t_bias = self._time_bias(ts_w, gap)
-            bias = t_bias if bias is None else bias + t_bias
-        return bias
+            t_bias = self._time_bias(bias.ts_w, gap)
+            rab = t_bias if rab is None else rab + t_bias
+        return rab
 
     def _time_bias(self, ts_w, gap):
         """``ts_w[bucket(gap)]`` for int32 gaps ``|query_ts - ts| >= 0`` of any shape."""
@@ -318,22 +343,20 @@ class Backend:
             start += size
         return tuple(out)
 
-    def hstu_attention(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
-                       query_ts=None):
+    def hstu_attention(self, q, k, v, layout: Jagged, norm_len: int, bias: AttentionBias = NO_BIAS):
         """Jagged causal HSTU attention.
 
         q[T, H, dqk], k[T, H, dqk], v[T, H, dv] -> [T, H, dv] (zeros on padding rows):
         ``out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j``, with
         n = ``norm_len`` a fixed normaliser (no softmax, no 1/sqrt(d)) and rab from
-        ``relative_bias``. Which kernel runs (``attention_kernel``, a layout with a tile plan):
-        "tiled" always ``hstu_attention_tiled`` (no padding); "jagged" the tiled kernel where it
-        pays off (``tiles_pay_off``), else the padded one; "reference" always
-        ``hstu_attention_padded``, the oracle.
+        ``relative_bias(layout, n, bias)`` (``bias``: ``AttentionBias``, the bias parameters).
+        Runs the kernel selected by ``use_hstu_kernel`` (backends/kernels.py: "jagged" runs
+        ``hstu_attention_tiled`` where the tile plan pays off, "tiled" whenever there is a plan,
+        "reference" always ``hstu_attention_padded``, the oracle; fused kernels their own code).
         """
-        kernel = self.attention_kernel
-        if layout.tiles is not None and (kernel == "tiled" or (kernel == "jagged" and self.tiles_pay_off(layout))):
-            return self.hstu_attention_tiled(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
-        return self.hstu_attention_padded(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
+        if self._attention is None:  # a subclass that never called use_hstu_kernel
+            self.use_hstu_kernel()
+        return self._attention(self, q, k, v, layout, norm_len, bias)
 
     # padded score cells over tiled ones (capacities) from which "jagged" runs the tiled kernel
     jagged_min_work_ratio = 1.0
@@ -347,8 +370,7 @@ class Backend:
         padded = layout.b_cap * layout.max_len ** 2
         return padded >= self.jagged_min_work_ratio * plan.pair_q.shape[0] * plan.tile ** 2
 
-    def hstu_attention_padded(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
-                              query_ts=None):
+    def hstu_attention_padded(self, q, k, v, layout: Jagged, norm_len: int, bias: AttentionBias = NO_BIAS):
         """The reference of ``hstu_attention``: padded dense ``[B, H, L, L]`` scores (L = max_len)."""
         xp = self.xp
         L, Bc = layout.max_len, layout.b_cap
@@ -359,9 +381,9 @@ class Backend:
 
         qd, kd, vd = dense(q), dense(k), dense(v)
         scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2)))                # [B, H, L, L]
-        bias = self.relative_bias(layout, norm_len, pos_w, ts_w, ts, query_ts)
-        if bias is not None:
-            scores = scores + xp.reshape(bias, (-1, 1, L, L))
+        rab = self.relative_bias(layout, norm_len, bias)
+        if rab is not None:
+            scores = scores + xp.reshape(rab, (-1, 1, L, L))
         i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L, 1))
         j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, 1, L))
         valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1, 1))
@@ -373,8 +395,7 @@ class Backend:
         rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
         return rows * xp.reshape(xp.astype(real, rows.dtype), (-1, 1, 1))
 
-    def hstu_attention_tiled(self, q, k, v, layout: Jagged, norm_len: int, pos_w=None, ts_w=None, ts=None,
-                             query_ts=None):
+    def hstu_attention_tiled(self, q, k, v, layout: Jagged, norm_len: int, bias: AttentionBias = NO_BIAS):
         """``hstu_attention`` without padding: the block-sparse pairs of ``layout.tiles``.
 
         Same contract and result as ``hstu_attention``; the work is ``P`` tiles of
@@ -403,16 +424,16 @@ class Backend:
         scores = xp.matmul(qp, xp.matrix_transpose(kp))                             # [H, P, C, C]
         q_pos = xp.reshape(cells(layout.pos, plan.pair_q), (P, C, 1))
         k_pos = xp.reshape(cells(layout.pos, plan.pair_k), (P, 1, C))
-        bias = None
-        if pos_w is not None:
-            bias = self.gather_table(pos_w, (norm_len - 1) + k_pos - q_pos)        # [P, C, C]
-        if ts_w is not None:
-            q_t = xp.reshape(cells(query_ts, plan.pair_q), (P, C, 1))
-            k_t = xp.reshape(cells(ts, plan.pair_k), (P, 1, C))
-            t_bias = self._time_bias(ts_w, xp.abs(q_t - k_t))
-            bias = t_bias if bias is None else bias + t_bias
-        if bias is not None:
-            scores = scores + bias
+        rab = None
+        if bias.pos_w is not None:
+            rab = self.gather_table(bias.pos_w, (norm_len - 1) + k_pos - q_pos)    # [P, C, C]
+        if bias.ts_w is not None:
+            q_t = xp.reshape(cells(bias.query_ts, plan.pair_q), (P, C, 1))
+            k_t = xp.reshape(cells(bias.ts, plan.pair_k), (P, 1, C))
+            t_bias = self._time_bias(bias.ts_w, xp.abs(q_t - k_t))
+            rab = t_bias if rab is None else rab + t_bias
+        if rab is not None:
+            scores = scores + rab
         # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
         # and empty key cells (rows == T_cap) are masked
         key_real = xp.reshape(xp.take(plan.chunk_rows, plan.pair_k, axis=0) < layout.t_cap, (P, 1, C))

@@ -8,7 +8,6 @@ gr_functional imports no array library, so the runner and the distributed train 
                                  SUM-all-reduced over ranks; buckets are launched from tensor
                                  hooks while backward still runs (overlap), ``prior=`` adds
                                  locally accumulated micro-batch gradients first
-  all_reduce_tree(tree)          bucketed SUM all-reduce of a tree of tensors (no overlap)
   all_reduce_sum(values)         SUM of a small host float64 vector (loss, timings)
   broadcast(obj, src=0)          a picklable object from ``src`` (checkpoint state, errors)
   barrier()
@@ -140,14 +139,6 @@ def _error_cls():
     return DistributedError
 
 
-def launched_world_size() -> int:
-    """``WORLD_SIZE`` set by torchrun (1 when not launched by it)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 def device_for(pg_backend: str, configured: str) -> str:
     """The torch device of this rank: ``configured`` if it names an index, else the
     LOCAL_RANK-th device of the process-group backend's device type (cpu for gloo)."""
@@ -268,14 +259,6 @@ class TorchCollective:
         t = torch.as_tensor(np.asarray(values, dtype=np.float64), dtype=dtype, device=self.device)
         self._run("all-reduce of the loss", lambda: self._dist.all_reduce(t))
         return t.cpu().numpy().astype(np.float64)
-
-    def all_reduce_tree(self, tree):
-        """SUM all-reduce of every leaf of ``tree`` (torch tensors), in buckets of ``dist.bucket_mb``."""
-        paths = [(p, leaf) for p, leaf in tree_items(tree)]
-        reducer = _Reducer(self, [p for p, _ in paths], [leaf for _, leaf in paths], None)
-        reduced = reducer.finish([leaf for _, leaf in paths])
-        by_path = dict(zip([p for p, _ in paths], reduced))
-        return tree_map_with_path(lambda p, leaf: by_path[p], tree)
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, B, f: Callable, has_aux: bool = False) -> Callable:

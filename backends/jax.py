@@ -44,12 +44,12 @@ def _register_dataclasses(tree: Any) -> None:
 class JaxBackend(Backend):
     name = "jax"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
-        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles`` where they pay off,
-        ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan) or
-        "reference" (padded dense, the oracle)."""
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default"):
+        """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on jax:
+        "default" (= "jagged": block-sparse tiles of ``layout.tiles`` where they pay off,
+        ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan),
+        "reference" (padded dense, the oracle), or a registered kernel of your own."""
         super().__init__(device, dtype)
-        self.attention_kernel = self.check_hstu_kernel(hstu_kernel)
         import jax
         import jax.numpy as jnp
 
@@ -61,6 +61,11 @@ class JaxBackend(Backend):
         self._device = jax.devices(device)[0] if device else None
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if (self._device or jax.devices()[0]).platform == "cpu" else 1.0
+        self.use_hstu_kernel(hstu_kernel)
+
+    @property
+    def device_kind(self) -> str:
+        return (self._device or self._jax.devices()[0]).platform
 
     def asarray(self, x, dtype=None):
         arr = self.xp.asarray(x, dtype=dtype)

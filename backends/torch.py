@@ -1,8 +1,9 @@
 """torch backend (CPU/CUDA): ``array_api_compat.torch`` as ``xp`` and classic autograd.
 
 ``value_and_grad`` uses ``torch.autograd.grad`` over detached leaf tensors, not torch.func:
-vendor kernels are ctx-style ``autograd.Function``s, which fail under torch.func (measured in
-shared/reference/design_anchors.md §2.3).
+vendor kernels are ctx-style ``autograd.Function``s, which torch.func refuses (``RuntimeError: In order
+to use an autograd.Function with functorch transforms ... it must override the setup_context
+staticmethod``), so one ``value_and_grad`` serves the reference and the fused kernels.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from .base import Backend, BackendUnavailable
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "jagged"):
-        """hstu_kernel: "jagged" (block-sparse tiles of ``layout.tiles``, no padding, where they
-        pay off: ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever the layout
-        has a plan), "reference" (padded dense, the oracle) or "triton"
-        (the portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
-        TRITON_INTERPRET=1)."""
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default"):
+        """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on torch:
+        "default" (= "jagged": block-sparse tiles of ``layout.tiles``, no padding, where they pay
+        off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
+        portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
+        TRITON_INTERPRET=1), or a registered kernel of your own."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -36,14 +37,13 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"backend 'torch' on device {device!r}: this torch ({torch.__version__}) "
                                      f"sees no CUDA GPU; use backend.device=cpu, or install a CUDA build of "
                                      f"torch on a machine with a GPU")
-        self.attention_kernel = self.check_hstu_kernel(hstu_kernel)
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
-        self._triton_attention = None
-        if hstu_kernel == "triton":
-            import npu_ops
+        self.use_hstu_kernel(hstu_kernel)
 
-            self._triton_attention = npu_ops.triton_hstu_attention(require_ascend=False)
+    @property
+    def device_kind(self) -> str:
+        return self.torch_device.type
 
     def asarray(self, x, dtype=None):
         t = self._torch.as_tensor(np.asarray(x) if not isinstance(x, self._torch.Tensor) else x,
@@ -147,11 +147,6 @@ class TorchBackend(Backend):
         ids = ids.masked_fill((ids < 0) | (ids >= num_segments), num_segments)
         out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
         return out.index_add(0, ids, data)[:num_segments]
-
-    def hstu_attention(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
-        if self._triton_attention is None:
-            return super().hstu_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
-        return self._triton_attention(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)
 
     def sampled_logits(self, user, items, ids):
         """The reference's two formulations (dense ``user @ items^T`` when ``N <=

@@ -38,7 +38,7 @@ from .common import (backends_for, device_label, emit, kernel_variant, kuairand_
 TRUNCATIONS = (256, 1024, 4096)
 TOKEN_BUDGET = 16384
 LAYER = ModelConfig(embed_dim=256, num_heads=4, dqk=64, dv=64, num_blocks=1, input_dropout=0.0,
-                    linear_dropout=0.0, num_negatives=1)
+                    linear_dropout=0.0)
 COLUMNS = ["backend", "device", "variant", "truncation", "sequences", "tokens", "seconds", "memory_bytes",
            "ideal_layer", "work_ratio", "speedup", "memory_ratio"]
 
@@ -74,7 +74,7 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
     seconds = median_seconds(B, fn, *args, repeats=repeats)
     memory, kind = B.memory_profile(fn, *args)
     plan = batch.tokens.tiles
-    if padded or B.attention_kernel != "tiled" or plan is None:
+    if padded or B.hstu_kernel != "tiled" or plan is None:
         cells = batch.tokens.b_cap * mc.max_len ** 2
     else:
         cells = plan.num_pairs() * plan.tile ** 2

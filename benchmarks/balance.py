@@ -12,7 +12,7 @@ must run without the file.) Share of users at or above T (all of equal cost afte
 
 Cost. ``cost = a L^2 + b L`` with ``(a, b) = flop_cost_coefficients(512, 4, 128, 128)``: forward
 FLOPs of one causal research-HSTU layer at TorchEasyRec's KuaiRand-27K size (D=512, 4 heads of
-128); ``b / a = 2560``. Pass the calibrated ``a, b`` (``balance.calibrate``) to measure with the
+128); ``b / a = 2560``. Pass calibrated ``a, b`` (``grf bench calibrate``) to measure with the
 machine's real cost ratio. Imbalance is measured with the same cost model that balances.
 
 Cells: truncation T in {1024, 4096, 8000, 16000} x ranks R in {8, 16, 32, 64} x sequences per
@@ -21,23 +21,23 @@ rank n in {2, 4, 8, 32}. Per cell, whole epochs (one permutation each, seeded) u
 are over all batches except each epoch's last (the partial remainder / final flush is reported
 as ``last_batch_imbalance_max``).
 
-Policies (``gr_functional.balance.plan_epoch``):
-- ``random``: the order as it falls (what a plain loader does);
-- ``greedy``: LPT per global batch, equal counts; ``kk``: equal-count Karmarkar-Karp per batch;
-- ``lookahead16`` / ``lookahead64``: fixed counts, windows of 16 / 64 global batches pooled;
-- ``budget8``: ranks filled to a common cost budget by LPT over a pool of 8 batches' samples
-  (different counts per rank, ``aligned_budget``); a few bins per window wait, at most 2 windows.
-  Its ``avg_per_rank`` says how many sequences a rank gets on average (the budget is a whole
-  multiple of the truncated cost, so this differs from n, e.g. 1.4 instead of 2 at T=8000).
+Policies. Per-batch baselines (``per_batch_plan``: the global batches are consecutive slices of
+the order, each split alone, equal counts):
+- ``random``: the order as it falls, n consecutive sequences per rank (what a plain loader does;
+  ``dist.balance="none"``);
+- ``greedy``: LPT per global batch (``balance.greedy_lpt``); ``kk``: Karmarkar-Karp per batch
+  (``balance.karmarkar_karp``, without the exchange refinement that ``dist.balance="kk"`` adds);
+and the planner of ``dist.balance="lookahead"`` (``balance.plan_epoch``):
+- ``lookahead16`` / ``lookahead64``: windows of 16 / 64 global batches pooled.
 All policies keep a per-rank token cap of ``n * T`` (the worst case of fixed counts).
 
 Fields per JSON line (one per cell and policy): ``imbalance_mean``, ``imbalance_p95``,
 ``imbalance_max`` (max / mean - 1 of per-rank cost), ``waste`` (sum over batches of max - mean
 rank cost / sum of mean rank cost: the share of rank time spent waiting, i.e. the throughput
 lost to imbalance), ``vs_random_mean`` (ratio to random's mean
-imbalance), ``meets_1pct`` (p95 <= 1 %), ``planner_ms_per_batch`` (host time of ``plan_epoch``
-divided by its batches), ``disp_mean_batches`` / ``disp_max_batches`` (|new position - old
-position| of a sample, in nominal global batches: the cost in data order), ``avg_per_rank``.
+imbalance), ``meets_1pct`` (p95 <= 1 %), ``planner_ms_per_batch`` (host time of ``plan_epoch``,
+or of the baseline's splits, divided by the batches), ``disp_mean_batches`` / ``disp_max_batches``
+(|new position - old position| of a sample, in nominal global batches: the cost in data order).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from gr_functional import balance as bl
+from gr_functional.balance.plan import check_order
 from gr_functional.data.paths import dataset_path
 
 TRUNCATIONS = (1024, 4096, 8000, 16000)
@@ -60,8 +61,43 @@ POLICIES = {
     "kk": dict(policy="kk"),
     "lookahead16": dict(policy="lookahead", window=16),
     "lookahead64": dict(policy="lookahead", window=64),
-    "budget8": dict(policy="lookahead", counts="budget", window=8, patience=2),
 }
+BASELINES = ("random", "greedy", "kk")  # per-batch splits: ``per_batch_plan``
+
+
+def per_batch_plan(costs, order, num_ranks: int, per_rank: int, policy: str, *, cap: float | None = None,
+                   sizes=None) -> bl.EpochPlan:
+    """The baselines: global batches of ``G = num_ranks * per_rank`` consecutive samples of
+    ``order`` (a last partial batch of ``N % G``), each split into equal-count rank shares alone.
+
+    policy: "random" (rank r takes positions ``r * per_rank ...`` of a full batch, round-robin in
+    the partial one), "greedy" (``balance.greedy_lpt``) or "kk" (``balance.karmarkar_karp``); cap:
+    per-rank limit on the sum of ``sizes`` (``costs`` when None), as ``balance.plan_epoch``.
+    """
+    if policy not in BASELINES:
+        raise ValueError(f"policy must be one of {BASELINES}, got {policy!r}")
+    costs, order, tok_all = check_order(costs, order, cap, sizes)
+    R, G = int(num_ranks), int(num_ranks) * int(per_rank)
+
+    def split(items):
+        c = costs[items]
+        tok = None if tok_all is None else tok_all[items]
+        if policy == "random":
+            return np.arange(len(items)) % R if len(items) < G else np.arange(len(items)) // per_rank
+        if policy == "greedy":
+            return bl.greedy_lpt(c, R, equal_count=True, cap=cap, sizes=tok)
+        return bl.karmarkar_karp(c, R, equal_count=True, cap=cap, sizes=tok)
+
+    batches = (order[i:i + G] for i in range(0, len(order), G))
+    return bl.EpochPlan.from_batches(((items, split(items)) for items in batches), R)
+
+
+def plan(costs, order, num_ranks: int, per_rank: int, *, policy: str, cap=None, sizes=None, seed: int = 0,
+         **kw) -> bl.EpochPlan:
+    """One epoch's plan under a benchmark policy: a per-batch baseline or ``balance.plan_epoch``."""
+    if policy in BASELINES:
+        return per_batch_plan(costs, order, num_ranks, per_rank, policy, cap=cap, sizes=sizes, **kw)
+    return bl.plan_epoch(costs, order, num_ranks, per_rank, policy=policy, cap=cap, sizes=sizes, seed=seed, **kw)
 
 
 def load_user_lengths(path: str | Path | None = None) -> np.ndarray:
@@ -109,31 +145,30 @@ def run(json_lines: bool = False, *, truncations=TRUNCATIONS, ranks=RANKS, per_r
                 cell: dict[str, dict] = {}
                 for name in names:
                     kw = POLICIES[name]
-                    imb, last, disp, counts, secs, nb, lost, work = [], [], [], [], 0.0, 0, 0.0, 0.0
+                    imb, last, disp, secs, nb, lost, work = [], [], [], 0.0, 0, 0.0, 0.0
                     for e, order in enumerate(orders):
                         t0 = time.perf_counter()
-                        plan = bl.plan_epoch(c, order, R, n, cap=n * T, sizes=Lt, seed=seed + e, **kw)
+                        ep = plan(c, order, R, n, cap=n * T, sizes=Lt, seed=seed + e, **kw)
                         secs += time.perf_counter() - t0
-                        x = plan.imbalance(c)
+                        x = ep.imbalance(c)
                         imb.append(x[:-1])
-                        rs = plan.rank_sums(c)[:-1]
+                        rs = ep.rank_sums(c)[:-1]
                         lost += float((rs.max(axis=1) - rs.mean(axis=1)).sum())
                         work += float(rs.mean(axis=1).sum())
                         last.append(float(x[-1]))
-                        disp.append(plan.displacement(order, G))
-                        counts.append(plan.rank_counts()[:-1].mean())
-                        nb += plan.num_batches
+                        disp.append(ep.displacement(order, G))
+                        nb += ep.num_batches
                     x = np.concatenate(imb)
                     mean, p95, mx = _stats(x)
                     cell[name] = dict(bench="balance", truncation=T, ranks=R, per_rank=n, policy=name,
-                                      window=kw.get("window", 1), counts=kw.get("counts", "fixed"),
+                                      window=kw.get("window", 1),
                                       epochs=epochs, batches=int(x.size), imbalance_mean=mean, imbalance_p95=p95,
                                       imbalance_max=mx, waste=lost / work if work else 0.0,
                                       last_batch_imbalance_max=max(last),
                                       planner_ms_per_batch=1e3 * secs / max(nb, 1),
                                       disp_mean_batches=float(np.mean([d["mean_batches"] for d in disp])),
                                       disp_max_batches=float(max(d["max_batches"] for d in disp)),
-                                      avg_per_rank=float(np.mean(counts)), meets_1pct=bool(p95 <= 0.01),
+                                      meets_1pct=bool(p95 <= 0.01),
                                       cost_a=a, cost_b=b)
                 base = cell.get("random", {}).get("imbalance_mean")
                 for name in names:
@@ -154,8 +189,7 @@ def run(json_lines: bool = False, *, truncations=TRUNCATIONS, ranks=RANKS, per_r
                           f"{max(r['disp_max_batches'] for r in rows if r['policy'] == p):.0f}" for p in names))
         for p in names:
             ok = [r for r in rows if r["policy"] == p]
-            print(f"{p}: p95 <= 1 % in {sum(r['meets_1pct'] for r in ok)}/{len(ok)} cells; "
-                  f"avg sequences per rank {np.mean([r['avg_per_rank'] / r['per_rank'] for r in ok]):.2f} x n")
+            print(f"{p}: p95 <= 1 % in {sum(r['meets_1pct'] for r in ok)}/{len(ok)} cells")
     return rows
 
 

@@ -49,7 +49,7 @@ def layer_timer(B, cfg, sequences: int | None = None):
     """``measure(L) -> seconds per sequence`` of one HSTU block's forward+backward on ``B``, on
     batches of ``sequences`` (default ``train.batch_size // max(2, dist.nproc)``) sequences."""
     from gr_functional import model
-    from gr_functional.batch import make_batch
+    from gr_functional.batch import Negatives, make_batch
     from gr_functional.tree import tree_leaves
 
     mc = cfg.model
@@ -68,8 +68,9 @@ def layer_timer(B, cfg, sequences: int | None = None):
         m = m_seq
         hist = [rng.integers(1, 16, L + 1) for _ in range(m)]
         times = [np.cumsum(rng.integers(1, 3600, L + 1)) for _ in range(m)]
-        nm = dataclasses.replace(mc, num_items=16, input_dropout=0.0, linear_dropout=0.0, num_negatives=1)
-        batch = make_batch(hist, times, nm, rng=rng, num_items=16, train=True, t_cap=m * L, b_cap=m)
+        nm = dataclasses.replace(mc, num_items=16, input_dropout=0.0, linear_dropout=0.0)
+        batch = make_batch(hist, times, nm, rng=rng, num_items=16, train=True, t_cap=m * L, b_cap=m,
+                           negatives=Negatives("sampled", 1))
         x = rng.standard_normal((m * L, mc.embed_dim)).astype(np.float32)
         return m, B.asarray_tree(batch), B.asarray(x)
 

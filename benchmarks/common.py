@@ -41,12 +41,9 @@ def backends_for(cfg, names=None) -> list:
 
 
 def kernel_variant(B, kernel: str):
-    """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` ("jagged" | "tiled" | "reference")."""
-    import copy
-
-    view = copy.copy(B)
-    view.attention_kernel = kernel
-    return view
+    """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` (a registered attention
+    kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``)."""
+    return B.with_hstu_kernel(kernel)
 
 
 def device_label(B) -> str:

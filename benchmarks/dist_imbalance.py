@@ -35,7 +35,7 @@ import numpy as np
 POLICIES = ("none", "kk", "lookahead")
 DEFAULT_SETS = ["data.dataset=synthetic", "data.synthetic_users=1200", "data.synthetic_max_events=400",
                 "model.max_len=200", "model.embed_dim=32", "model.num_blocks=2", "model.num_heads=2",
-                "model.dqk=16", "model.dv=16", "model.num_negatives=128", "train.batch_size=8",
+                "model.dqk=16", "model.dv=16", "loss.num_negatives=128", "train.batch_size=8",
                 "train.max_steps=80", "train.epochs=1", "train.eval_every=100", "train.log_every=1",
                 "eval.max_users=8", "dist.lookahead=8"]
 

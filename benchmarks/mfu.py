@@ -29,7 +29,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS,
             r = measure_step(B, step_cfg, batch, repeats=repeats)
             achieved = r["model_flops"] / r["seconds"]
             row = {"bench": "mfu", "backend": label, "device": device_label(B), "config": name,
-                   "precision": cfg.backend.precision, "kernel": B.attention_kernel, **r,
+                   "precision": cfg.backend.precision, "kernel": B.hstu_kernel, **r,
                    "achieved_flops": achieved, "peak_flops": peak, "mfu": achieved / peak, **host}
             rows.append(row)
             emit(row, json_lines, COLUMNS)

@@ -69,7 +69,8 @@ def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
     lengths = lengths[lengths > 0]
     supervised = int(np.asarray(batch_np.weights).sum())
     n_params = sum(int(np.prod(np.shape(x))) for x in tree_leaves(params))
-    fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params)
+    fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params,
+                                 num_negatives=cfg.loss.num_negatives)
     return {"seconds": seconds, "tokens": int(lengths.sum()), "sequences": int(len(lengths)),
             "model_flops": int(fl["total"]), "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"},
             "params": n_params}

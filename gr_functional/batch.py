@@ -6,7 +6,7 @@ passed to the model as data, so every backend computes the same function of the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -14,6 +14,22 @@ from .config import ModelConfig
 from .jagged import Jagged, JaggedError
 
 _INT32_MAX = np.iinfo(np.int32).max
+
+NegativeKind = Literal["sampled", "in_batch", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Negatives:
+    """Which negatives a training batch carries (each loss declares its kind, losses.py):
+
+      "sampled"   negatives[T, count] int32, uniform ids in 1..N for every real token (GR)
+      "in_batch"  shared_negatives[count] int32, the targets of ``count`` supervised positions
+                  of the batch drawn uniformly with replacement, shared by every position
+      "none"      neither
+    """
+
+    kind: NegativeKind = "sampled"
+    count: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +41,11 @@ class HSTUBatch:
       query_ts    [T] int32  time of the event this position predicts (the request time)
       targets     [T] int32  item id to predict at each position (0 = no supervision)
       weights     [T] float  supervision weight (1 where targets > 0)
-      negatives   [T, R] int32 sampled negative ids, or None (evaluation)
+      negatives   [T, R] int32 sampled negative ids, or None (evaluation; losses without them)
       input_keep  [T, D] float dropout keep-mask already scaled by 1/(1-p), or None (no dropout)
       block_keep  [N_blocks, T, H*dv] float, likewise for each block's output dropout, or None
+      shared_negatives  [R] int32 negatives shared by every position ("in_batch" losses), or None;
+                  not per-token: a rank's slice of a global batch keeps all of them
     """
 
     tokens: Jagged
@@ -38,6 +56,7 @@ class HSTUBatch:
     negatives: Any = None
     input_keep: Any = None
     block_keep: Any = None
+    shared_negatives: Any = None
 
     @property
     def layout(self) -> Jagged:
@@ -65,12 +84,13 @@ def _relative_times(times: list[np.ndarray]) -> int:
 def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg: ModelConfig, *,
                query_times: Sequence[int] | None = None, rng: np.random.Generator | None = None,
                num_items: int | None = None, train: bool = True, t_cap: int | None = None,
-               b_cap: int | None = None, p_cap: int | None = None, nc_cap: int | None = None) -> HSTUBatch:
+               b_cap: int | None = None, p_cap: int | None = None, nc_cap: int | None = None,
+               negatives: Negatives = Negatives()) -> HSTUBatch:
     """Build a batch from per-user id sequences and their timestamps (seconds, sorted by time).
 
     train=True: each sequence s (length m >= 2) becomes inputs ``s[:-1]`` predicting ``s[1:]``,
-    keeping the most recent ``cfg.max_len`` positions; negatives and dropout masks are drawn from
-    ``rng``. train=False: each sequence is a full history (most recent ``max_len`` kept) whose
+    keeping the most recent ``cfg.max_len`` positions; ``negatives`` (the loss's kind and count)
+    and dropout masks are drawn from ``rng``, in that order. train=False: each sequence is a full history (most recent ``max_len`` kept) whose
     last position is scored; ``query_times[b]`` is the time of the held-out item (request time).
     ``cfg.tile > 0`` (``model.attention_tile``) adds the jagged attention's tile plan (capacities ``p_cap`` /
     ``nc_cap``, default from the ladder) to the layout.
@@ -111,18 +131,24 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
     q_arr = _pack(layout, [t - origin for t in q_ts], np.int32)
     tgt = _pack(layout, targets, np.int32)
     weights = (tgt > 0).astype(np.float32)
-    negatives = input_keep = block_keep = None
+    sampled = shared = input_keep = block_keep = None
     if train:
         if rng is None:
             raise ValueError("make_batch(train=True) needs rng for negatives and dropout masks")
         T, real = layout.t_cap, layout.num_tokens()
-        negatives = np.zeros((T, cfg.num_negatives), dtype=np.int32)
-        negatives[:real] = rng.integers(1, n_items + 1, size=(real, cfg.num_negatives), dtype=np.int32)
+        if negatives.kind == "sampled":
+            sampled = np.zeros((T, negatives.count), dtype=np.int32)
+            sampled[:real] = rng.integers(1, n_items + 1, size=(real, negatives.count), dtype=np.int32)
+        elif negatives.kind == "in_batch":
+            supervised = tgt[tgt > 0]
+            shared = np.zeros(negatives.count, dtype=np.int32)  # padding ids (masked) if nothing is supervised
+            if supervised.size:
+                shared[:] = supervised[rng.integers(0, supervised.size, size=negatives.count)]
         input_keep = _dropout_keep(rng, (T, cfg.embed_dim), cfg.input_dropout, real)
         if cfg.linear_dropout > 0:
             block_keep = np.stack([_dropout_keep(rng, (T, cfg.num_heads * cfg.dv), cfg.linear_dropout, real)
                                    for _ in range(cfg.num_blocks)])
-    return HSTUBatch(tokens, ts_arr, q_arr, tgt, weights, negatives, input_keep, block_keep)
+    return HSTUBatch(tokens, ts_arr, q_arr, tgt, weights, sampled, input_keep, block_keep, shared)
 
 
 def _pack(layout: Jagged, seqs: Sequence[np.ndarray], dtype) -> np.ndarray:

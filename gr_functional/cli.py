@@ -1,6 +1,7 @@
 """``grf``: train, eval, crosscheck, data, bench and report commands.
 
     grf train --config experiments/configs/NAME.toml [--backend B] [--set key=value ...] [--out DIR]
+              [--plugin my_loss.py ...]   (import first: registers losses, datasets, kernels)
               [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
               [--nproc N]            (N > 1: data-parallel on this host through torch.distributed.run)
     grf eval --checkpoint PATH [--backend B] [--split test|valid]
@@ -58,7 +59,7 @@ def _load(args):
     overrides = list(args.set or [])
     if getattr(args, "backend", None):
         overrides.append((f"--backend {args.backend}", f"backend.name={args.backend}"))
-    return load_config(_config_path(args.config), overrides)
+    return load_config(_config_path(args.config), overrides, plugins=getattr(args, "plugin", None) or [])
 
 
 def _launched_rank() -> int | None:
@@ -95,6 +96,8 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
         argv += ["--backend", args.backend]
     for item in args.set or []:
         argv += ["--set", item]
+    for plugin in args.plugin or []:
+        argv += ["--plugin", plugin]
     argv += ["--set", f"dist.nproc={nproc}"]
     argv += ["--quiet"] if args.quiet else []
     argv += ["--resume"] if args.resume else ["--fresh"] if args.fresh else []
@@ -187,7 +190,10 @@ def cmd_data(args) -> int:
         path = fetch.fetch(args.name, args.dest)
         print(f"{args.name}: {path}")
     else:
+        from .data import registry
+
         print(f"data dir: {paths.data_dir()}")
+        print(f"datasets (data.dataset): {', '.join(registry.names())}; files:")
         for name in paths.dataset_names():
             try:
                 print(f"  {name}: {paths.dataset_path(name)}")
@@ -254,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML config file or packaged config name (default: quickstart)")
     t.add_argument("--backend", help="jax | torch | npu (overrides backend.name)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. model.num_blocks=4")
+    t.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="a .py file or module to import first: it may register losses, datasets or attention kernels "
+                        "(appended to train.plugins; repeatable)")
     t.add_argument("--out", help="output folder (default runs/CONFIG-BACKEND, plus -bf16/-fp16 for those precisions)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     r = t.add_mutually_exclusive_group()
@@ -279,13 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", required=True)
     c.add_argument("--backends", default="jax,torch", help="reference,other (default jax,torch)")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
+    c.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="a .py file or module to import first: it may register losses, datasets or attention kernels "
+                        "(appended to train.plugins; repeatable)")
     c.add_argument("--users", type=int, default=32, help="sequences in the checked batch (default 32)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.set_defaults(fn=cmd_crosscheck)
 
     d = sub.add_parser("data", help="fetch datasets or show where they are")
     d.add_argument("action", choices=["fetch", "info"])
-    d.add_argument("name", nargs="?", default="ml-1m")
+    d.add_argument("name", nargs="?", default="ml-1m", help="fetch: a downloadable dataset (ml-1m, ml-20m)")
     d.add_argument("--dest", help="target data folder (default: GRF_DATA_DIR or the user cache)")
     d.set_defaults(fn=cmd_data)
 

@@ -21,21 +21,15 @@ from .errors import ConfigError  # noqa: F401 (re-exported)
 
 
 # ----------------------------------------------------------------------------- choices
-# Keys with a fixed set of values, declared once; everything else (datasets, backends, the CLI)
-# reads them from here.
-Dataset = Literal["synthetic", "ml-1m", "ml-20m", "kuairand"]
+# Keys with a fixed set of values, declared once; everything else (backends, the CLI) reads them
+# from here. Names that plugins may add (loss.name, data.dataset, backend.hstu_kernel) are checked
+# against their registries instead (``validate``).
 BackendName = Literal["torch", "jax", "npu"]
 Dtype = Literal["float32", "float64"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Deterministic = Literal["auto", "on", "off"]
-HstuKernel = Literal["default", "jagged", "tiled", "reference", "triton", "auto", "mxrec"]
 DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
-
-# backend.hstu_kernel names each backend accepts ("default": the backend's own choice)
-HSTU_KERNELS = {"torch": ("default", "jagged", "tiled", "reference", "triton"),
-                "jax": ("default", "jagged", "tiled", "reference"),
-                "npu": ("default", "auto", "mxrec", "triton", "reference")}
 
 
 def choices(literal) -> tuple[str, ...]:
@@ -67,7 +61,9 @@ def _check_range(value, bounds: dict, where: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Dataset = "synthetic"
+    # A registered dataset (gr_functional/data/registry.py; checked in validate): "synthetic",
+    # "ml-1m", "ml-20m", "kuairand", "csv" (your own file, keys csv_* below), or a plugin's.
+    dataset: str = "synthetic"
     path: str = ""                  # data file or folder; "" = the dataset's default under GRF_DATA_DIR
     seed: int = _range(0, ge=0)     # synthetic generator seed
     synthetic_users: int = _range(2000, ge=1)
@@ -80,6 +76,18 @@ class DataConfig:
     # Item ids remapped to 1..K (K distinct ids, in increasing order of the original id): for raw ids
     # that are hashes or sparse (a table of max_id + 1 rows would not fit).
     remap_items: bool = False
+    # Your own interactions (dataset = "csv", path = the file; gr_functional/data/sources/
+    # interactions.py): one event per line, with user, item and time columns; other columns are
+    # ignored. Ids that are not all integers (strings, hashes) are mapped to dense ints.
+    csv_sep: str = ""               # field separator; "" = by extension: .csv ",", .tsv/.tab "\t", else sniffed
+    csv_header: bool = True         # the first line names the columns
+    # Columns: header names, or 0-based indices written as strings ("0", "2") when csv_header = false
+    csv_user: str = "user_id"
+    csv_item: str = "item_id"
+    csv_time: str = "timestamp"     # unix time in csv_time_unit, or ISO 8601 dates ("2022-04-08 12:30:00")
+    csv_time_unit: Literal["s", "ms", "us", "ns"] = "s"  # numeric times are floored to integer seconds
+    csv_rating: str = ""            # optional rating column ("" = none) ...
+    csv_min_rating: float = _range(0.0)  # ... rows rated below this are dropped
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,13 @@ class TrainConfig:
     # every overflow, doubled after loss_scale_window overflow-free steps (torch GradScaler's rule).
     loss_scale: float = _range(65536.0, ge=1.0)
     loss_scale_window: int = _range(2000, ge=1)
+    # Modules of one's own imported before the config is checked (gr_functional/plugins.py): .py
+    # files (saved as absolute paths) or module names that register losses, datasets or attention
+    # kernels. `grf train --plugin FILE` appends one; a resume and `grf eval` import them again.
+    plugins: tuple[str, ...] = ()
+    # TensorBoard scalars (train loss, tokens/s, every evaluation metric) in OUT/tensorboard, for
+    # watching a run live; needs the optional tensorboard package. metrics.jsonl stays the record.
+    tensorboard: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,11 +218,12 @@ class BackendConfig:
     name: BackendName = "torch"
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
     dtype: Dtype = "float32"
-    # HSTU attention kernel: "default" (the backend's own choice: "jagged" on torch/jax, mxrec or
-    # Triton on npu), or a backend-specific name (torch: "jagged" | "tiled" | "reference" |
-    # "triton"; jax: "jagged" | "tiled" | "reference"; npu: "auto" | "mxrec" | "triton" |
-    # "reference"). "jagged" runs the no-padding tiles where they save enough work, "tiled" always.
-    hstu_kernel: HstuKernel = "default"
+    # HSTU attention kernel, a name in the registry of backends/kernels.py (each kernel declares
+    # the backends, dtypes, precisions, devices and model options it supports; others are refused
+    # by name): "default" (the backend's own choice: "jagged" on torch/jax, "auto" = mxrec or
+    # Triton on npu), "jagged" (no-padding tiles where they save enough work), "tiled" (always),
+    # "reference" (padded), "triton" (torch/npu), "mxrec" (npu), or a kernel registered by a plugin.
+    hstu_kernel: str = "default"
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
     # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).
@@ -316,6 +332,8 @@ def _coerce(value: Any, typ, where: str, from_text: bool = False):
         except ValueError:
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if typ is str:
+        if from_text and isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # --set data.csv_user=0: a column index typed bare on the command line
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
@@ -391,7 +409,7 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
 def validate(cfg: Config, source: str = "<config>", origins: dict | None = None, registries: bool = True) -> None:
     """Rules joining several keys (single values were checked by ``build_config``); ``ConfigError``
     names the key, its origin and the fix. ``registries``: also look the registry names up
-    (``loss.name``; the registries import lazily: they import this module)."""
+    (``loss.name``, ``data.dataset``; the registries import lazily: they import this module)."""
     origins = origins or {}
 
     def fail(section: str, key: str, message: str):
@@ -399,15 +417,21 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         raise ConfigError(f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}")
 
     b, e = cfg.backend, cfg.eval
-    kernels = HSTU_KERNELS.get(b.name, ())
-    if b.hstu_kernel not in kernels:
-        fail("backend", "hstu_kernel", f"the {b.name} backend has no such kernel; valid for {b.name}: "
-                                       f"{', '.join(kernels)}")
     if registries:
+        from backends import kernels  # the attention-kernel registry: no array library, no cycle
+
+        problem = kernels.check_config(cfg)
+        if problem:
+            fail("backend", "hstu_kernel", problem)
         from . import losses
 
         if cfg.loss.name not in losses.names():
             fail("loss", "name", losses.unknown_message(cfg.loss.name))
+    if registries:
+        from .data import registry as datasets
+
+        if cfg.data.dataset not in datasets.names():
+            fail("data", "dataset", datasets.unknown_message(cfg.data.dataset))
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
         fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
                                      "1.6e-5 or use backend.precision=bf16/fp32")
@@ -433,9 +457,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
     """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides
-    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs)."""
+    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs). ``plugins`` (``grf
+    train --plugin``) are appended to ``train.plugins``; all of them are imported before the
+    config is checked, so the names they register are valid."""
     values: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -464,7 +490,23 @@ def load_config(path: str | Path | None = None, overrides: list = ()) -> Config:
         values[section][key] = value
         origins[(section, key)] = label
         origins.setdefault((section, None), label)
+    _import_plugins(values, source, origins, list(plugins))
     return build_config(values, source, origins)
+
+
+def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> None:
+    from .plugins import import_plugins, normalise
+
+    train = values.get("train")
+    if extra:
+        values["train"] = train = dict(train) if isinstance(train, dict) else {}
+        train["plugins"] = [*train.get("plugins", ()), *extra]
+        origins.setdefault(("train", "plugins"), f"--plugin {' --plugin '.join(extra)}")
+    entries = train.get("plugins") if isinstance(train, dict) else None
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):
+        return  # absent, or malformed: build_config reports it
+    train["plugins"] = [normalise(e) for e in entries]
+    import_plugins(train["plugins"], where=origins.get(("train", "plugins"), f"{source}: train.plugins"))
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

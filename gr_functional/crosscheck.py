@@ -75,7 +75,7 @@ def _run(B, params_np: dict, batch_np: HSTUBatch, cfg: Config):
 
     def traced_loss(p, b):
         trace: dict = {}
-        loss = model.loss_fn(B, p, b, cfg.model, trace)
+        loss = model.loss_fn(B, p, b, cfg.model, trace, loss=cfg.loss)
         return loss, trace
 
     (loss, trace), grads = B.value_and_grad(traced_loss, has_aux=True)(params, batch)
@@ -122,6 +122,7 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
     """A training batch of random histories (lengths 2..max_len+1, one of each extreme) for checks
     that need no dataset."""
     from .batch import make_batch
+    from .losses import negatives_for
 
     rng = np.random.default_rng(seed)
     m = cfg.model
@@ -129,6 +130,6 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
     lengths[0], lengths[-1] = 2, m.max_len + 1
     histories = [rng.integers(1, m.num_items + 1, n) for n in lengths]
     times = [np.cumsum(rng.integers(1, 10**5, n)) + 10**9 for n in lengths]
-    return make_batch(histories, times, m, rng=rng, num_items=m.num_items)
+    return make_batch(histories, times, m, rng=rng, num_items=m.num_items, negatives=negatives_for(cfg))
 
 

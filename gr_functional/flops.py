@@ -40,18 +40,19 @@ def block_forward_flops(mc, tokens: int, cells: int) -> dict:
     }
 
 
-def loss_forward_flops(mc, supervised: int) -> int:
-    return 2 * supervised * (mc.num_negatives + 1) * mc.embed_dim
+def loss_forward_flops(mc, supervised: int, num_negatives: int) -> int:
+    return 2 * supervised * (num_negatives + 1) * mc.embed_dim
 
 
-def train_step_flops(mc, lengths, supervised: int | None = None, num_params: int = 0) -> dict:
+def train_step_flops(mc, lengths, supervised: int | None = None, num_params: int = 0,
+                     num_negatives: int = 128) -> dict:
     """Model FLOPs of one training step (forward, backward, optimizer) on sequences of these
     input lengths; ``supervised`` defaults to every token. Returns parts and ``"total"``."""
     tokens = int(np.asarray(lengths).sum())
     cells = causal_cells(lengths)
     per_block = block_forward_flops(mc, tokens, cells)
     forward = {k: v * mc.num_blocks for k, v in per_block.items()}
-    forward["loss"] = loss_forward_flops(mc, tokens if supervised is None else supervised)
+    forward["loss"] = loss_forward_flops(mc, tokens if supervised is None else supervised, num_negatives)
     parts = {k: 3 * v for k, v in forward.items()}            # forward + 2 x backward
     parts["optimizer"] = ADAMW_FLOPS_PER_PARAM * num_params
     parts["total"] = sum(parts.values())

@@ -46,19 +46,7 @@ against host memory: device memory is not checked here (the frameworks raise a c
 out-of-memory error there; the host OOM killer is what this guards against). Data-parallel
 ranks on one host (``LOCAL_WORLD_SIZE``) each need their own share: the peak is multiplied.
 
-How close (CPU, 2 cores, 2026-11; "grew" = peak RSS of ``grf train ... --set
-train.max_steps=3..5`` minus the RSS when the check runs, i.e. before torch/JAX are imported):
-
-  run                                              grew     estimate   ratio
-  quickstart, torch                                0.52 GB  0.85 GB    1.6
-  quickstart, jax                                  0.70 GB  1.61 GB    2.3
-  quickstart, model.num_negatives=2999, torch      1.00 GB  2.39 GB    2.4
-  ml1m_hstu, torch                                 1.13 GB  1.95 GB    1.7
-  ml1m_hstu, jax                                   1.46 GB  3.66 GB    2.5
-  ml1m_hstu_large, torch                           2.00 GB  4.76 GB    2.4
-
-The gap is mostly ``T``: the bound takes the batch_size longest users; real batches hold about
-half as many tokens.
+How close the estimate comes to measured peaks: README "Reliability", "Memory estimate".
 
 Available memory: ``GRF_MEMORY_LIMIT_BYTES`` when set (tests, or to leave room for other jobs),
 else the smaller of ``MemAvailable`` in /proc/meminfo and the cgroup's limit minus its usage;
@@ -75,6 +63,7 @@ import numpy as np
 
 from .config import ConfigError
 from .jagged import round_up_capacity
+from .losses import get as get_loss
 
 # backends.base.Backend.DENSE_LOGITS_MAX_RATIO and backends.torch.SAMPLED_LOGITS_CHUNK_ROWS
 # (copied, not imported: importing the backends loads torch/JAX; a test keeps them equal)
@@ -148,7 +137,8 @@ def estimate(cfg, data) -> list[Item]:
     bytes (formulas in the module docstring). ``cfg.model.num_items`` must be resolved (> 0)."""
     m, t = cfg.model, cfg.train
     f = 8 if cfg.backend.dtype == "float64" else 4
-    N, D, R, H, L, nb = m.num_items, m.embed_dim, m.num_negatives, m.num_heads, m.max_len, m.num_blocks
+    N, D, R, H, L, nb = m.num_items, m.embed_dim, cfg.loss.num_negatives, m.num_heads, m.max_len, m.num_blocks
+    kind = get_loss(cfg.loss.name).negatives
     B, Be = t.batch_size, cfg.eval.batch_size
     T = token_capacity(cfg, data)
     P = param_count(cfg)
@@ -162,7 +152,7 @@ def estimate(cfg, data) -> list[Item]:
     eval_cell = EVAL_CELL_BYTES if dev else EVAL_CELL_BYTES - 4
     name = cfg.backend.name
 
-    negs = "lower model.num_negatives or train.batch_size (or set train.max_tokens)"
+    negs = "lower loss.num_negatives or train.batch_size (or set train.max_tokens)"
     table = "lower model.embed_dim, or set data.remap_items=true if the item ids are sparse"
     shape = "lower train.batch_size or model.max_len (or set train.max_tokens)"
     items = [Item("framework runtime", RUNTIME_BYTES.get(name, RUNTIME_BYTES["jax"]), "backend.name",
@@ -173,15 +163,19 @@ def estimate(cfg, data) -> list[Item]:
     items.append(Item("optimizer update and normalised item table", P * f * 3 + (N + 1) * D * f * 2,
                       "model.num_items", f"{P:,} params x {f} B x 3 + [{N + 1:,}, {D}] x {f} B x 2", table,
                       "step", dev))
-    items.append(Item("sampled-softmax negatives", T * R * neg_cell, "model.num_negatives",
-                      f"per batch: T={T:,} tokens x {R:,} negatives x {neg_cell} B", negs, "step"))
     rows = min(T, TORCH_LOGITS_CHUNK_ROWS) if name in ("torch", "npu") else T
-    if N + 1 <= DENSE_LOGITS_MAX_RATIO * R:
-        items.append(Item("sampled-softmax logits (dense form)", rows * (N + 1) * f * 3, "model.num_negatives",
-                          f"{rows:,} rows x {N + 1:,} items x {f} B x 3", negs, "step", dev))
-    else:
-        items.append(Item("sampled-softmax logits (gathered rows)", rows * R * D * f * 4, "model.num_negatives",
-                          f"{rows:,} rows x {R:,} negatives x D={D} x {f} B x 4", negs, "step", dev))
+    if kind == "sampled":
+        items.append(Item("sampled-softmax negatives", T * R * neg_cell, "loss.num_negatives",
+                          f"per batch: T={T:,} tokens x {R:,} negatives x {neg_cell} B", negs, "step"))
+        if N + 1 <= DENSE_LOGITS_MAX_RATIO * R:
+            items.append(Item("sampled-softmax logits (dense form)", rows * (N + 1) * f * 3, "loss.num_negatives",
+                              f"{rows:,} rows x {N + 1:,} items x {f} B x 3", negs, "step", dev))
+        else:
+            items.append(Item("sampled-softmax logits (gathered rows)", rows * R * D * f * 4, "loss.num_negatives",
+                              f"{rows:,} rows x {R:,} negatives x D={D} x {f} B x 4", negs, "step", dev))
+    elif kind == "in_batch":  # one [T, R] logit matrix (forward, its gradient, the mask)
+        items.append(Item("shared-negative logits", T * R * f * 3, "loss.num_negatives",
+                          f"T={T:,} tokens x {R:,} shared negatives x {f} B x 3", negs, "step", dev))
     items.append(Item("attention scores", nb * B * H * L * L * f * 4, "train.batch_size",
                       f"{nb} blocks x B={B} x H={H} x L={L} x L x {f} B x 4", shape, "step", dev))
     items.append(Item("activations and dropout masks",
@@ -253,13 +247,13 @@ def available_bytes() -> tuple[int | None, str]:
 
 
 def check_negatives(cfg) -> None:
-    """``model.num_negatives`` must not exceed the items negatives are drawn from (ids
+    """``loss.num_negatives`` must not exceed the items negatives are drawn from (ids
     1..``model.num_items``): more only repeats items, and the [T, R] buffers grow without bound."""
-    R, N = cfg.model.num_negatives, cfg.model.num_items
-    if N > 0 and R > N:
-        raise ConfigError(f"model.num_negatives={R} is more than the {N:,} items negatives are sampled from "
+    R, N = cfg.loss.num_negatives, cfg.model.num_items
+    if N > 0 and R > N and get_loss(cfg.loss.name).negatives != "none":
+        raise ConfigError(f"loss.num_negatives={R} is more than the {N:,} items negatives are sampled from "
                           f"(model.num_items={N}: ids 1..{N:,}); sampling more negatives than the catalogue "
-                          f"holds only repeats items. Set model.num_negatives <= {N:,} (GR uses 128)")
+                          f"holds only repeats items. Set loss.num_negatives <= {N:,} (GR uses 128)")
 
 
 def check_fits(cfg, data) -> list[Item]:

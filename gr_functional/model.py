@@ -1,11 +1,12 @@
 """HSTU (research layer of meta-recsys/generative-recommenders), written once for every backend.
 
-Per block, on jagged x[T, D] (formulas in shared/reference/hstu_anchors.md §1.2-1.6):
+Per block, on jagged x[T, D] (generative-recommenders research/modeling/sequential/hstu.py):
     u, v, q, k = split(SiLU(LN(x) @ W_uvqk))                   LN parameter-free, eps 1e-6
     A V        = sum_{j<=i} SiLU(q_i.k_j + rab_pos + rab_time) / n * v_j   (n fixed, no 1/sqrt(d))
     x          = x + Dropout(u * LN(A V)) @ W_o + b_o
-Input: E_item[id] * sqrt(D) + E_pos[pos], dropout; output: L2-normalised. Loss: sampled softmax
-over L2-normalised item embeddings with temperature, negatives passed in as data.
+Input: E_item[id] * sqrt(D) + E_pos[pos], dropout; output: L2-normalised. Loss: a registered loss
+(losses.py; GR's sampled softmax by default) over L2-normalised item embeddings, negatives passed
+in as data.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import math
 
 import numpy as np
 
+from . import losses
 from .batch import HSTUBatch
-from .config import ModelConfig
+from .config import LossConfig, ModelConfig
 
 
 def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -92,8 +94,8 @@ def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, tra
     u, v, q, k = B.hstu_uvqk(normed, p["w_uvqk"], cfg.uvqk_splits)
     av = B.hstu_attention(
         xp.reshape(q, (T, H, cfg.dqk)), xp.reshape(k, (T, H, cfg.dqk)), xp.reshape(v, (T, H, cfg.dv)),
-        batch.layout, cfg.norm_len, pos_w=p.get("rab_pos"), ts_w=p.get("rab_time"),
-        ts=batch.ts, query_ts=batch.query_ts)
+        batch.layout, cfg.norm_len,
+        B.AttentionBias(pos_w=p.get("rab_pos"), ts_w=p.get("rab_time"), ts=batch.ts, query_ts=batch.query_ts))
     av = xp.reshape(av, (T, H * cfg.dv))
     y = B.hstu_norm_mul(av, u, cfg.ln_eps)
     if keep is not None:
@@ -137,34 +139,16 @@ def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | No
     return out
 
 
-def sampled_softmax_loss(B, user, item_table, targets, negatives, weights, cfg: ModelConfig):
-    """Mean over supervised positions of ``-log softmax([<u,e+>, <u,e-_1..R>] / tau)[0]``.
-
-    user[T, D] (L2-normalised), item_table[N+1, D] (raw; normalised here), targets[T] int32,
-    negatives[T, R] int32, weights[T]. A negative equal to the target gets logit -5e4 (GR).
-    Returns ``(loss, nll[T])``.
-    """
-    xp = B.xp
-    items = B.l2_normalize(item_table, cfg.l2_eps)
-    pos = xp.sum(user * B.gather_table(items, targets), axis=-1) / cfg.temperature          # [T]
-    neg = B.sampled_logits(user, items, negatives) / cfg.temperature                         # [T, R]
-    hit = negatives == xp.reshape(targets, (-1, 1))
-    neg = xp.where(hit, xp.full_like(neg, -5e4), neg)
-    logits = xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1)
-    nll = B.logsumexp(logits, axis=1) - pos
-    total = xp.sum(weights)
-    loss = xp.sum(nll * weights) / xp.maximum(total, xp.ones_like(total))
-    return loss, nll
-
-
-def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
-    """Scalar training loss of a batch (token-weighted mean over supervised positions)."""
+def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None,
+            loss: LossConfig = LossConfig()):
+    """Scalar training loss of a batch: the registered loss ``loss.name`` (losses.py; GR's sampled
+    softmax by default) of the user embeddings against the L2-normalised item table."""
     user = encode(B, params, batch, cfg, trace)
-    loss, _ = sampled_softmax_loss(B, user, params["item_emb"], batch.targets, batch.negatives,
-                                   batch.weights, cfg)
+    items = B.l2_normalize(params["item_emb"], cfg.l2_eps)
+    value = losses.get(loss.name).fn(B, user, items, batch, loss)
     if trace is not None:
-        trace["loss"] = loss
-    return loss
+        trace["loss"] = value
+    return value
 
 
 def score_last(B, params: dict, batch: HSTUBatch, cfg: ModelConfig):

@@ -1,6 +1,6 @@
 """Experiment runner: data -> params -> training loop -> evaluation -> output files.
 
-``train(cfg, out_dir)`` writes (DESIGN.md "CLI and files"):
+``train(cfg, out_dir)`` writes (README "Commands"):
   OUT/config.toml    resolved config
   OUT/metrics.jsonl  one JSON object per line, a deterministic function of (config, data, backend):
                      training steps {"kind": "train", "step", "epoch", "loss", "tokens"[, "loss_scale"]},
@@ -51,40 +51,13 @@ from .config import validate as config_validate
 from .memory import check_fits
 from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
-from .train import init_loss_scale, init_opt_state, make_scorer, make_train_step
+from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, advice, bad_step, builtin_hooks, last_healthy,
+                    make_steps)
+from .train import init_loss_scale, init_opt_state, make_scorer
 from .tree import tree_items
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
 
 RESUME_MODES = ("auto", "must", "never")
-
-
-_RESTART = ("to restart from it, rerun the same grf train command (same --out) with the cause fixed (e.g. "
-            "--set optim.lr=1e-4): it resumes from that checkpoint")
-
-
-def _advice(reason: str, cfg: Config) -> str:
-    """What to change after bad steps, by the last one's reason (``_bad_step``) and the config."""
-    ratio = cfg.train.max_update_ratio
-    if reason.startswith("exploding update"):
-        if ratio < 0.05:  # below what a healthy step moves (GR's ML-1M recipe: 0.006-0.03)
-            return (f"train.max_update_ratio={ratio:g} is below the size of a normal step (about 0.01-0.03 of "
-                    f"the parameters' norm): raise it (default 1.0; 0 = no limit)")
-        return ("Lower optim.lr (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
-                "intended)")
-    suspects = ["optim.lr (a smaller one)"]
-    if cfg.model.temperature < 1e-3:
-        suspects.insert(0, f"model.temperature={cfg.model.temperature:g} (logits are cosine / temperature; "
-                           f"GR uses 0.05)")
-    return (f"Check {', '.join(suspects)}, the eps keys and the data, or try backend.precision=fp32")
-
-
-def _last_healthy(ckdir: CheckpointDir) -> str:
-    """``"The last healthy checkpoint is X; to restart ..."``, or how to start over without one."""
-    ck, _ = ckdir.latest_valid()
-    if ck is None:
-        return (f"No healthy checkpoint exists in {ckdir.folder}; fix the cause and rerun with --fresh to "
-                f"start over")
-    return f"The last healthy checkpoint is {ck.describe()}; {_RESTART}"
 
 
 DIST_TORCH_BACKENDS = ("torch", "npu")
@@ -119,7 +92,7 @@ def check_data(data, splits) -> None:
     negative timestamps, ids < 1, ids beyond int32 and sparse raw ids (unless ``data.remap_items``)
     and count exact duplicate rows (kept; ``data.describe()`` reports them); per-user time order is
     restored by a stable sort. ``memory.check_fits`` (called next) checks the config against the
-    data: ``model.num_negatives`` against the items, the memory estimate against what is free."""
+    data: ``loss.num_negatives`` against the items, the memory estimate against what is free."""
     from .errors import DataError
 
     name = data.source or data.name or "dataset"
@@ -197,7 +170,7 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
 # the parameters mean. Any other key may change on resume (backend.name: resume on another
 # backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
 # and backend precision/dtype changes are allowed with a warning.
-_MATCH_SECTIONS = ("data", "model")
+_MATCH_SECTIONS = ("data", "model", "loss")
 _MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
 # model.attention_tile only lays out the attention's work (same results up to float rounding)
 _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
@@ -345,18 +318,6 @@ def _say(message: str) -> None:
     print(f"grf: {message}", file=sys.stderr, flush=True)
 
 
-def _groups(batches, k: int):
-    """Consecutive groups of ``k`` batches (the last group of an epoch may be shorter)."""
-    group = []
-    for b in batches:
-        group.append(b)
-        if len(group) == k:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
 def _restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
     """The checkpoint's optimizer state on ``B``, with the fp16 loss scaler added or dropped to
     match ``backend.precision`` (a precision change on resume)."""
@@ -366,25 +327,6 @@ def _restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
     elif cfg.backend.precision != "fp16":
         opt_state.pop("loss_scale", None)
     return opt_state
-
-
-def _bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
-    """``(reason, counts towards max_bad_steps)`` of a skipped step.
-
-    fp16 gradient overflows are the loss scaler's normal search for a scale (the step is skipped
-    and the scale halved), so they count only once the scale is down to 1: then even unscaled
-    gradients overflow and the model itself is blowing up."""
-    if not bool(m["loss_finite"]):
-        return "non-finite loss", True
-    if not bool(m["grads_finite"]):
-        if "loss_scale" in m:
-            scale = float(m["loss_scale"])
-            return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
-        return "non-finite gradient", True
-    if not bool(m["update_finite"]):
-        return f"non-finite update (optim.lr={cfg.optim.lr:g})", True
-    return (f"exploding update: it would move the parameters by {float(m['update_ratio']):.3g} x their norm "
-            f"(train.max_update_ratio={cfg.train.max_update_ratio:g}; optim.lr={cfg.optim.lr:g})"), True
 
 
 def _write_curves(path: Path, epochs: list[dict]) -> None:
@@ -527,7 +469,7 @@ def _resume_on_all_ranks(comm, find):
 
 
 # ----------------------------------------------------------------------------- training
-def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto") -> dict:
+def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
     """Train per ``cfg``, evaluate, write the output files; returns the eval.json dict.
 
     resume: "auto" continues from the newest valid checkpoint in OUT/checkpoints when there is one
@@ -540,11 +482,16 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     Under torchrun (``WORLD_SIZE > 1``) this is one rank of a data-parallel run (module
     docstring): ranks other than 0 return ``{"rank": r, "steps": ...}`` and write nothing.
     Raises ``DistributedError`` (naming the rank) when a rank dies or hangs.
+
+    ``hooks``: extra ``hooks.Hook`` objects called after the built-in ones at every step and
+    epoch end (gr_functional/hooks.py).
     """
     from .data import batching, split as split_mod
+    from .plugins import import_plugins
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    import_plugins(cfg.train.plugins)  # a Config built in code: its losses / datasets / kernels
     validate(cfg)
     world = _world_size()
     if world > 1:
@@ -563,7 +510,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     train_loader = batching.TrainLoader.from_config(splits.train, cfg, world_size=world)
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
 
-    comm, device = None, None
+    comm, device = LocalComm(), None
     if world > 1:
         # joined after each rank loaded its data (a slow loader never trips a collective timeout)
         from backends import dist_torch
@@ -581,22 +528,18 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
         return _find_resume(cfg, ckdir, resume, train_loader, fingerprint)
 
     try:
-        if comm is None:
-            restored, events = find()
-        else:
-            restored, events = _resume_on_all_ranks(comm, find)
-            if restored is not None and not comm.is_main:
-                train_loader.load_state_dict(restored.meta["loader"])
+        restored, events = _resume_on_all_ranks(comm, find)
+        if restored is not None and not comm.is_main:
+            train_loader.load_state_dict(restored.meta["loader"])
         B = make_backend(cfg, device)
         result = _train_loop(cfg, out, progress, resume, B, comm, data, splits, fingerprint, train_loader, ckdir,
-                             restored, events)
+                             restored, events, hooks)
     except TrainingAborted as exc:
-        if comm is not None:  # every rank aborts at the same step (same gradients): leave together
-            comm.fail(str(exc)) if isinstance(exc, Diverged) else comm.shutdown()  # rank 0 alone evaluates
+        # every rank aborts at the same step (same gradients): leave together; rank 0 alone evaluates
+        comm.fail(str(exc)) if isinstance(exc, Diverged) else comm.shutdown()
         raise
     except WriteError as exc:
-        if comm is not None:
-            comm.fail(f"WriteError: {exc}")
+        comm.fail(f"WriteError: {exc}")
         fix = ("raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG
                else "free space or fix the folder's permissions")
         try:
@@ -608,26 +551,25 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
                 f"No checkpoint was written yet; {fix}, then rerun the same command")
         raise WriteError(exc.errno, f"{exc}. {then}") from None
     except BaseException as exc:
-        if comm is not None and not isinstance(exc, DistributedError):
+        if not isinstance(exc, DistributedError):
             comm.fail(f"{type(exc).__name__}: {exc}")  # peers stop now instead of at a timeout
         raise
     finally:
         lock.release()
-    if comm is not None:
-        comm.shutdown()
+    comm.shutdown()
     return result
 
 
 def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, data, splits, fingerprint: str,
-                train_loader, ckdir: CheckpointDir, restored: Checkpoint | None, events: list[dict]) -> dict:
-    """The body of ``train`` once the data, config and checkpoint are checked (single process or
-    one rank)."""
+                train_loader, ckdir: CheckpointDir, restored: Checkpoint | None, events: list[dict],
+                extra_hooks=()) -> dict:
+    """The body of ``train`` once the data, config and checkpoint are checked: a loop over steps
+    calling the hooks (gr_functional/hooks.py), the same for one process and for one rank."""
     from tqdm import tqdm
 
     from .checkpoint import atomic_write_bytes
-    from .train import make_dist_train_step
 
-    main = comm is None or comm.is_main
+    main = comm.is_main
     say = _say if main else (lambda message: None)
     # ---- checks passed: from here on the run owns OUT (rank 0 only in a data-parallel run)
     say(f"data {data.describe()}")
@@ -666,191 +608,84 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         log = JsonLog(out / "metrics.jsonl") if main else _NullLog()
         timing = JsonLog(out / "timing.jsonl") if main else _NullLog()
         events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
-    if comm is not None:
+    if comm.world_size > 1:
         events.append({"kind": "distributed", "world_size": comm.world_size, "backend": comm.backend,
                        "balance": cfg.dist.balance, "cost_a": train_loader.split.cost_a,
                        "cost_b": train_loader.split.cost_b, "rank_token_cap": cfg.dist.rank_token_cap})
     for ev in events:
         timing.write({**ev, "time": time.time()})
 
-    if comm is None:
-        step_fn = make_train_step(B, cfg)
-    else:
-        step_fn = make_dist_train_step(B, cfg, comm)
-    scorer = make_scorer(B, cfg)
     tc = cfg.train
-    k, max_steps = tc.accumulate, tc.max_steps
-    fp16 = cfg.backend.precision == "fp16"
+    steps = make_steps(B, cfg, train_loader, comm)
     epoch, start = train_loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None  # no batches left: only the epoch's end
-    total = -(-train_loader.steps_per_epoch // k) * tc.epochs
-    total = min(total, max_steps) if max_steps else total
-
-    def finished() -> bool:
-        return epoch >= tc.epochs or bool(max_steps and state.step >= max_steps)
+    total = -(-train_loader.steps_per_epoch // tc.accumulate) * tc.epochs
+    total = min(total, tc.max_steps) if tc.max_steps else total
 
     def save(reason: str, epoch_of: int) -> Path | None:
         log.sync()
         state.metrics_lines = log.lines
         if not main:
             return None  # rank 0 writes the (identical) state
-        if comm is not None:
-            comm.progress("checkpoint")
+        comm.progress("checkpoint")
         t0 = time.perf_counter()
         meta = {"epoch": epoch_of, "step": state.step, "backend": B.name, "precision": cfg.backend.precision,
                 "reason": reason, "loader": train_loader.state_dict(), "run": state.to_meta(),
                 "data": {"sha256": fingerprint, "users": len(data), "events": int(data.num_events)},
                 # the whole RNG state: every draw is numpy default_rng((seed, epoch[, batch]))
                 "rng": {"generator": "numpy default_rng((train.seed, epoch, batch))", "seed": tc.seed,
-                        "position": list(train_loader.position)}}
-        if comm is not None:
-            meta["world_size"] = comm.world_size
+                        "position": list(train_loader.position)},
+                "world_size": comm.world_size}
         try:
-            path = ckdir.save(B.to_numpy_tree(params), B.to_numpy_tree(opt_state), cfg, meta)
+            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta)
         except NonFiniteState as exc:  # the step guard should make this unreachable: never write it
-            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {_last_healthy(ckdir)}") from None
+            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
         timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
                       "seconds": time.perf_counter() - t0})
         timing.flush()
         return path
 
-    def batches(e: int, s: int | None):
-        if s is None:
-            return iter(())
-        if comm is None:
-            return _groups(train_loader.epoch(e, s), k)
-        # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
-        return _groups(train_loader.rank_epoch(e, s, rank=comm.rank, capacity="exact"), k)
-
-    def eval_progress():
-        if comm is not None:
-            comm.progress("eval")
-
-    if finished() and restored is not None:
-        say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
-            f"{f', max_steps {max_steps}' if max_steps else ''}): rewriting eval.json and curves.png from its "
-            f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
-
     # disable=None: no bar when stderr is not a terminal (CI logs); epoch lines still print
     bar = tqdm(total=total, initial=min(state.step, total), disable=None if (progress and main) else True,
                unit="step", dynamic_ncols=True)
-    echo = bar.write if main else (lambda text: None)
-    t_start = time.perf_counter()
+    run = Run(cfg=cfg, out=out, B=B, comm=comm, state=state, log=log, timing=timing, loader=train_loader,
+              save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=params,
+              opt_state=opt_state, run_start=time.perf_counter())
+    evaluation = Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir)
+    hooks = [*builtin_hooks(cfg, out, main, evaluation), *extra_hooks]
+
+    def finished() -> bool:
+        return epoch >= tc.epochs or run.stopping()
+
+    if finished() and restored is not None:
+        say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
+            f"{f', max_steps {tc.max_steps}' if tc.max_steps else ''}): rewriting eval.json and curves.png from its "
+            f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
     try:
         while not finished():
-            tokens, t_epoch = 0, time.perf_counter()
-            rank_sum = None  # per-rank forward+backward seconds summed over the epoch's steps
-            step_max = step_mean = 0.0
-            for micro in batches(epoch, start):
-                if comm is None:
-                    dev = [B.asarray_tree(b) for b in micro]
-                    params, opt_state, m = step_fn(params, opt_state, dev if k > 1 else dev[0])
-                    n_tok = sum(b.layout.num_tokens() for b in micro)
-                else:
-                    comm.step = state.step + 1
-                    comm.progress("step")
-                    dev = [B.asarray_tree(rb.batch) for rb in micro]
-                    params, opt_state, m = step_fn(params, opt_state, dev, [rb.tokens for rb in micro],
-                                                   sum(rb.global_tokens for rb in micro))
-                    n_tok = sum(int(rb.rank_tokens.sum()) for rb in micro)  # global, as single-process
-                    rc = np.asarray(m["rank_compute_s"])
-                    rank_sum = rc if rank_sum is None else rank_sum + rc
-                    step_max, step_mean = step_max + float(rc.max()), step_mean + float(rc.mean())
+            run.epoch = epoch
+            for hook in hooks:
+                hook.on_epoch_start(run)
+            for micro in (steps.batches(epoch, start) if start is not None else ()):
+                run.params, run.opt_state, step = steps.run(run.params, run.opt_state, micro, state.step + 1, epoch)
                 state.step += 1
-                tokens += n_tok
-                tok_s = tokens / max(time.perf_counter() - t_epoch, 1e-9)
-                if bool(m["finite"]):
-                    loss = float(m["loss"])
-                    state.epoch_losses.append(loss)
-                    state.bad_in_a_row = 0
-                    if state.step % tc.log_every == 0:
-                        record = {"kind": "train", "step": state.step, "epoch": epoch, "loss": loss, "tokens": n_tok}
-                        if fp16:
-                            record["loss_scale"] = float(m["loss_scale"])
-                        log.write(record)
-                        log.flush()
-                        trec = {"kind": "train", "step": state.step, "tokens_per_s": tok_s,
-                                "elapsed_s": time.perf_counter() - t_start}
-                        if comm is not None:
-                            trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"],
-                                        wait_s=m["wait_s"],
-                                        rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)])
-                        timing.write(trec)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
-                else:
-                    reason, counts = _bad_step(m, cfg)
-                    state.skipped_total += 1
-                    state.bad_in_a_row += int(counts)
-                    record = {"kind": "skip", "step": state.step, "epoch": epoch, "reason": reason,
-                              "bad_in_a_row": state.bad_in_a_row}
-                    if fp16:
-                        record["next_loss_scale"] = float(opt_state["loss_scale"]["scale"])
-                    log.write(record)
-                    log.flush()
-                    echo(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
-                    if tc.max_bad_steps and state.bad_in_a_row >= tc.max_bad_steps:
-                        first = state.step - state.bad_in_a_row + 1
-                        log.write({"kind": "abort", "step": state.step, "epoch": epoch,
-                                   "reason": f"{state.bad_in_a_row} bad steps in a row",
-                                   "last_good_step": first - 1})
-                        if train_loader.position[0] > epoch:
-                            state.epoch_end_pending = epoch  # its last batch: the resume ends the epoch
-                        path = save("abort", epoch)
-                        where = path if path is not None else f"{ckdir.folder} (written by rank 0)"
-                        raise TrainingAborted(
-                            f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
-                            f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was "
-                            f"applied. The last healthy checkpoint is {where}: params and optimizer state after "
-                            f"step {first - 1}, data position after the skipped batches. {_advice(reason, cfg)}; "
-                            f"{_RESTART}")
-                bar.update(1)
-                last_of_epoch = train_loader.position[0] > epoch
-                if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and not last_of_epoch
-                        and not (max_steps and state.step >= max_steps)):
-                    save("interval", epoch)  # the epoch-end / final checkpoint follows otherwise
+                _count_step(state, step, cfg)
+                for hook in hooks:
+                    hook.on_step(run, step)
                 _fault_point("after-step", state.step)
-                if max_steps and state.step >= max_steps:
+                if run.stopping():
                     break
             # ---- end of the epoch (or of the run, when max_steps stopped it early)
-            last = epoch == tc.epochs - 1 or bool(max_steps and state.step >= max_steps)
+            run.last_epoch = epoch == tc.epochs - 1 or run.stopping()
             losses = state.epoch_losses
             record = {"epoch": epoch, "step": state.step, "loss": float(np.mean(losses)) if losses else None}
-            if ((epoch + 1) % tc.eval_every == 0 or last) and main:
-                for name in ("valid", "test"):
-                    try:
-                        record[name] = evaluate(B, params, cfg, getattr(splits, name), data.candidates, scorer,
-                                                on_batch=eval_progress)
-                    except Diverged as exc:
-                        log.write({"kind": "abort", "step": state.step, "epoch": epoch,
-                                   "reason": f"non-finite {name} scores"})
-                        log.sync()
-                        raise Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
-                                       f"{_last_healthy(ckdir)}") from None
-                    log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
-                log.flush()
-                loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-                echo(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
-                     f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
-            elif (epoch + 1) % tc.eval_every == 0 or last:
-                log.lines += 2  # rank 0 writes the valid and test lines
-            state.history.append(record)
-            state.epoch_losses = []
-            state.epoch_end_pending = -1
-            erec = {"kind": "epoch", "epoch": epoch, "seconds": time.perf_counter() - t_epoch,
-                    "tokens_per_s": tokens / max(time.perf_counter() - t_epoch, 1e-9)}
-            if rank_sum is not None:
-                # the share of rank time spent waiting for the slowest rank: sum_steps(max) / sum_steps(mean) - 1
-                erec.update(rank_compute_s=[float(x) for x in rank_sum],
-                            imbalance=step_max / max(step_mean, 1e-12) - 1.0)
-            timing.write(erec)
-            save("final" if last else "epoch", epoch)
-            if comm is not None:
-                # the others wait on the store, not in a collective: evaluation may take longer
-                # than dist.timeout_s (the watchdog still sees rank 0's progress)
-                comm.post(f"epoch-{epoch}") if main else comm.wait_for(f"epoch-{epoch}")
+            for hook in hooks:
+                hook.on_epoch_end(run, record)
             epoch, start = epoch + 1, 0
     finally:
+        for hook in hooks:
+            hook.on_close(run)
         bar.close()
         log.close()
         timing.close()
@@ -858,8 +693,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     if not main:
         comm.wait_for("files")
         return {"rank": comm.rank, "steps": state.step, "skipped_steps": state.skipped_total}
-    if comm is not None:
-        comm.progress("files")
+    comm.progress("files")
     history = state.history
     if not history:
         raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
@@ -868,24 +702,38 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     result = {**best["test"], "epoch": best["epoch"], "selected_by": f"best valid {SELECT_METRIC}",
               "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
               "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
-              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - t_start}
-    if comm is not None:
+              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - run.run_start}
+    if comm.world_size > 1:
         result["world_size"] = comm.world_size
     atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
     try:
         _write_curves(out / "curves.png", history)
     except OSError as exc:
         raise write_error(out / "curves.png", exc) from None
-    if comm is not None:
-        comm.post("files")
+    comm.post("files")
     return result
+
+
+def _count_step(state: RunState, step: StepResult, cfg: Config) -> None:
+    """The run state's step bookkeeping: an applied step's loss joins the epoch's, a skipped one
+    counts towards ``train.max_bad_steps`` (fp16 overflows above loss scale 1 do not)."""
+    if step.finite:
+        state.epoch_losses.append(float(step.metrics["loss"]))
+        state.bad_in_a_row = 0
+    else:
+        _, counts = bad_step(step.metrics, cfg)
+        state.skipped_total += 1
+        state.bad_in_a_row += int(counts)
 
 
 def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str = "test") -> dict:
     """Evaluate a checkpoint (trained on any backend) on ``backend`` with the run's own config."""
     from .data import split as split_mod
 
+    from .plugins import import_plugins
+
     ck = read_checkpoint(path)
+    import_plugins(ck.config.train.plugins, where=f"{path} (embedded config) train.plugins")
     check_param_shapes(ck)
     try:
         check_finite(ck)
@@ -893,9 +741,9 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
         raise Diverged(f"{exc}; evaluate an earlier checkpoint of the run (OUT/checkpoints/step-*.safetensors)") from None
     params_np, cfg, meta = ck.params, ck.config, ck.meta
     if backend:
-        from .config import HSTU_KERNELS
+        from backends.kernels import valid_names
 
-        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in HSTU_KERNELS.get(backend, ()) else "default"
+        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in valid_names(backend) else "default"
         cfg = replace(cfg, backend={"name": backend, "hstu_kernel": kernel})  # the run's kernel may not exist there
         validate(cfg, source=f"--backend {backend}")
     data = load_sequences(cfg)

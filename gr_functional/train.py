@@ -79,11 +79,11 @@ def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
     """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss."""
     precision = cfg.backend.precision
     if precision == "fp32":
-        loss = model.loss_fn(B, params, batch, cfg.model)
+        loss = model.loss_fn(B, params, batch, cfg.model, loss=cfg.loss)
     else:
         P = B.with_precision(precision)
         loss = model.loss_fn(P, B.cast_tree(params, P.compute_dtype_name),
-                             _cast_batch(B, batch, P.compute_dtype_name), cfg.model)
+                             _cast_batch(B, batch, P.compute_dtype_name), cfg.model, loss=cfg.loss)
         loss = B.cast(loss, B.dtype_name)
     return (loss if scale is None else loss * scale), loss
 

@@ -7,15 +7,18 @@ torch / torch_npu / RecSDK only when called, once, and report the real reason wh
 Public API:
   torch_npu_status() -> (ok, reason)         can torch_npu run here (import + device)?
   mxrec_status() -> (ok, reason)             is RecSDK's torch.ops.mxrec.hstu_jagged loaded (known schema)?
-  select_hstu_attention(kind="auto") -> fn   fn(q, k, v, layout, norm_len, bias) -> out[T_cap, H, dv]
+  mxrec_hstu_attention() -> MxrecHstuAttention   the RecSDK adapter (its ops must be loaded)
+  triton_hstu_attention(require_ascend) -> TritonHstuAttention   the portable Triton kernel
   UnsupportedOnBackend                       raised when a kernel is missing or a documented limit is hit
+
+Both kernel objects have ``attend(B, q, k, v, layout, norm_len, bias)``, the attention-kernel
+signature of backends/kernels.py, where the "mxrec", "triton" and "auto" kernels are registered.
 """
 from __future__ import annotations
 
 from ._errors import MxrecSchemaError, UnsupportedOnBackend
 from ._probe import TorchNpuProbe, clear_caches, mxrec_status, torch_npu_probe, torch_npu_status
 
-HSTU_KERNELS = ("auto", "mxrec", "triton")
 
 def triton_hstu_attention(require_ascend: bool = True):
     """The portable Triton HSTU attention (``npu_ops.triton_hstu.TritonHstuAttention``).
@@ -35,34 +38,18 @@ def triton_hstu_attention(require_ascend: bool = True):
     return TritonHstuAttention()
 
 
-def select_hstu_attention(kind: str = "auto"):
-    """The HSTU attention kernel for the npu backend.
+def mxrec_hstu_attention(ops=None, **kwargs):
+    """RecSDK's HSTU attention behind our contract (``npu_ops.mxrec_hstu.MxrecHstuAttention(ops,
+    **kwargs)``). ``ops`` None: ``torch.ops.mxrec``, which must be loaded (``mxrec_status``);
+    raises UnsupportedOnBackend with the reason otherwise. Never falls back silently."""
+    if ops is None:
+        ok, reason = mxrec_status()
+        if not ok:
+            raise UnsupportedOnBackend(f"hstu kernel 'mxrec' is unavailable: {reason}")
+    from .mxrec_hstu import MxrecHstuAttention
 
-    kind: "mxrec" (RecSDK ``torch.ops.mxrec.hstu_jagged``), "triton" (portable Triton kernel under
-    triton-ascend) or "auto" (mxrec when loaded, else triton).
-    Returns a callable with ``Backend.hstu_attention``'s contract. Kernels with
-    ``takes_bias_params`` (Triton) take ``(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)``
-    and build the bias in-kernel; the others (mxrec) take ``(q, k, v, layout, norm_len, bias)``
-    with a dense ``bias[B_cap|1, L, L]``. Raises ValueError for an unknown kind and
-    UnsupportedOnBackend, with the reason, when no kernel can run here. Never falls back silently.
-    """
-    if kind not in HSTU_KERNELS:
-        raise ValueError(f"unknown HSTU attention kernel {kind!r}; kinds: {', '.join(HSTU_KERNELS)}")
-    if kind == "triton":
-        return triton_hstu_attention()
-    ok, reason = mxrec_status()
-    if ok:
-        from .mxrec_hstu import MxrecHstuAttention
-
-        return MxrecHstuAttention()
-    if kind == "mxrec":
-        raise UnsupportedOnBackend(f"hstu kernel 'mxrec' is unavailable: {reason}")
-    try:
-        return triton_hstu_attention()
-    except UnsupportedOnBackend as exc:
-        raise UnsupportedOnBackend(f"no HSTU attention kernel for kind 'auto': mxrec is unavailable "
-                                   f"({reason}); triton: {exc}") from exc
+    return MxrecHstuAttention(ops, **kwargs)
 
 
-__all__ = ["HSTU_KERNELS", "MxrecSchemaError", "TorchNpuProbe", "UnsupportedOnBackend", "clear_caches",
-           "mxrec_status", "select_hstu_attention", "torch_npu_probe", "torch_npu_status", "triton_hstu_attention"]
+__all__ = ["MxrecSchemaError", "TorchNpuProbe", "UnsupportedOnBackend", "clear_caches", "mxrec_hstu_attention",
+           "mxrec_status", "torch_npu_probe", "torch_npu_status", "triton_hstu_attention"]

@@ -4,7 +4,7 @@ Nothing here imports torch_npu (or torch) at module import time; the probes do, 
 asked. A probe never raises: it returns ``(ok, reason)`` where ``reason`` is the real cause
 and the fix, so a run that asked for the NPU can fail loudly with it.
 
-Why the import must really be attempted (shared/reference/npu_ecosystem.md §0.3, §1.8):
+Why the import must really be attempted (torch_npu's install guide; observed on this CI image):
 ``importlib.util.find_spec("torch_npu")`` succeeds whenever the wheel is installed, even
 without the CANN runtime, and then ``import torch_npu`` fails (``libhccl.so: cannot open
 shared object file``). Worse, torch_npu registers a ``torch.backends`` entry point that

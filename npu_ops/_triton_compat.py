@@ -1,7 +1,7 @@
 """Shims that let one Triton source run on CUDA, on triton-ascend and in the CPU interpreter.
 
-Nothing here is kernel code. The facts behind each shim are in
-shared/reference/npu_ecosystem.md §4 and §6.4:
+Nothing here is kernel code. The facts behind each shim (triton-ascend's documentation and
+programming guide):
 
 - ``TRITON_INTERPRET=1`` is read when ``@triton.jit`` decorates a function, so whether a kernel
   runs in the interpreter is a property of the decorated object (``interpreted(fn)``), not of
@@ -33,7 +33,7 @@ ASCEND = "ascend"
 INTERPRETER_PROGRAMS = 4
 # Fallback when the Ascend driver cannot report its AI-core count (Atlas A2 910B2 has 24).
 ASCEND_DEFAULT_AICORES = 24
-# Ascend binds the grid to physical cores and caps it at UINT16_MAX (npu_ecosystem.md §4.2).
+# Ascend binds the grid to physical cores and caps it at UINT16_MAX (triton-ascend's guide).
 MAX_GRID = 65535
 
 

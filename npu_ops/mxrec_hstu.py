@@ -7,7 +7,7 @@ Our contract (``backends.base.Backend.hstu_attention``, bias computed by ``relat
                         (zeros on padding rows; bias is shared by all heads)
 
 The kernel (RecSDK ``cust_op/framework/torch_plugin/torch_library/hstu/hstu_jagged.cpp`` and its
-README; summarised in shared/reference/npu_ecosystem.md §2.1)::
+README; npu_ops/README.md)::
 
     hstu_jagged(q[ΣS, N, D], k, v, mask=None, attn_bias[B, N, S, S]=None, mask_type=0,
                 max_seq_len=S, silu_scale, seq_offset[B+1], ..., alpha=1.0) -> [ΣS, N, Dv]
@@ -48,7 +48,7 @@ from ._errors import MxrecSchemaError, UnsupportedOnBackend
 
 # ----------------------------------------------------------------------------------------
 # Documented limits: the ONE place they live. Sources are paths in the Ascend/RecSDK repository
-# (summarised in shared/reference/npu_ecosystem.md §2.1). None is verified on hardware.
+# (npu_ops/README.md). None is verified on hardware.
 _SRC_README = "Ascend/RecSDK cust_op/framework/torch_plugin/torch_library/hstu/README.md (Atlas A2/A3 table)"
 _SRC_DOC = "Ascend/RecSDK docs/en/rec_ops/hstu_v1_forward.md (inputs table)"
 _SRC_CHECK = "Ascend/RecSDK cust_op/framework/torch_plugin/torch_library/hstu/hstu_common.h (MaxSeqLenCheck)"
@@ -314,7 +314,7 @@ class MxrecHstuAttention:
             out = F.pad(out, (0, 0, 0, 0, 0, t_cap - total))
         return out
 
-
-def make_hstu_attention(ops: Any = None, **kwargs) -> MxrecHstuAttention:
-    """``MxrecHstuAttention(ops, **kwargs)``; see its docstring."""
-    return MxrecHstuAttention(ops, **kwargs)
+    def attend(self, B, q, k, v, layout, norm_len: int, bias):
+        """The attention-kernel signature of backends/kernels.py (``bias`` an ``AttentionBias``):
+        the dense bias is ``B.relative_bias`` on the calling backend (or its precision view)."""
+        return self(q, k, v, layout, norm_len, B.relative_bias(layout, norm_len, bias))

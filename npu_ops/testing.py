@@ -74,7 +74,8 @@ def run_attention(case: AttentionCase, B, attention: Callable | None = None,
     bias parameters stay in B's dtype, and adapters cast the bias to q's dtype).
 
     attention None: the reference ``B.hstu_attention``. Otherwise ``attention(q, k, v, layout,
-    norm_len, bias)`` with ``bias = B.relative_bias(...)`` (what NpuBackend.hstu_attention does).
+    norm_len, bias)`` with ``bias = B.relative_bias(...)`` (what the "mxrec" kernel does:
+    ``MxrecHstuAttention.attend``).
     Returns numpy float64 arrays: out, dq, dk, dv and, when present, dpos_w, dts_w.
     """
     import torch
@@ -89,13 +90,11 @@ def run_attention(case: AttentionCase, B, attention: Callable | None = None,
     cot = B.asarray(torch.as_tensor(case.cot).to(qkv_dtype))
     with torch.enable_grad():
         q, k, v = leaves["q"], leaves["k"], leaves["v"]
-        pos_w, ts_w = leaves.get("pos_w"), leaves.get("ts_w")
+        bias = B.AttentionBias(pos_w=leaves.get("pos_w"), ts_w=leaves.get("ts_w"), ts=ts, query_ts=query_ts)
         if attention is None:
-            out = B.hstu_attention(q, k, v, layout, case.norm_len, pos_w=pos_w, ts_w=ts_w, ts=ts,
-                                   query_ts=query_ts)
+            out = B.hstu_attention(q, k, v, layout, case.norm_len, bias)
         else:
-            bias = B.relative_bias(layout, case.norm_len, pos_w, ts_w, ts, query_ts)
-            out = attention(q, k, v, layout, case.norm_len, bias)
+            out = attention(q, k, v, layout, case.norm_len, B.relative_bias(layout, case.norm_len, bias))
         grads = torch.autograd.grad((out * cot).sum(), list(leaves.values()))
     result = {"out": out.detach().cpu().double().numpy()}
     for name, g in zip(leaves, grads):

@@ -20,7 +20,8 @@ anywhere; every sequence is at most ``max_len`` long (the caller's contract: Jag
 the host; checked here only when offsets are on the CPU, to avoid a device sync); the position
 bias needs ``norm_len >= max_len`` (the reference cannot index pos_w otherwise).
 
-Kernels (portable subset, shared/reference/npu_ecosystem.md §6.4):
+Kernels (the Triton subset CUDA, triton-ascend and the CPU interpreter all run: a 1-D grid of
+persistent programs, constexpr loop bounds with masks, no libdevice / TMA / num_warps tuning):
 - ``_hstu_fwd_kernel``: task = (sequence, query tile, head); flash-style loop over key tiles up to
   the diagonal, the score tile lives in registers only.
 - ``_hstu_bwd_dkdv_kernel``: task = (sequence, key tile, head); recomputes scores per query tile,
@@ -47,8 +48,9 @@ Entry points:
   with ``register_fake`` and ``register_autograd``, for torch.compile. The implementation is
   registered for every device; on CPU it runs only in the Triton interpreter (TRITON_INTERPRET=1
   set before this module is imported), and raises with the fix otherwise.
-- ``TritonHstuAttention``: ``fn(q, k, v, layout, norm_len, pos_w, ts_w, ts, query_ts)``, the
-  signature of ``Backend.hstu_attention`` for backend wiring.
+- ``TritonHstuAttention``: ``fn(q, k, v, layout, norm_len, bias)`` (``bias`` an ``AttentionBias``),
+  the signature of ``Backend.hstu_attention``; ``.attend`` is the registered "triton" kernel
+  (backends/kernels.py).
 
 What is verified where (tests/npu_ops/test_triton_hstu.py):
 - Triton CPU interpreter, fp32, with upstream triton 3.8.0 AND with triton-ascend 3.2.0's
@@ -634,15 +636,14 @@ hstu_attention_op.register_autograd(_op_backward, setup_context=_op_setup_contex
 
 # ------------------------------------------------------------------ backend adapter
 class TritonHstuAttention:
-    """``fn(q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None) -> out``:
-    ``Backend.hstu_attention``'s signature (minus self) over the Triton kernels.
+    """``fn(q, k, v, layout, norm_len, bias=None) -> out``: ``Backend.hstu_attention``'s
+    signature (minus self) over the Triton kernels; ``bias`` is a ``backends.kernels.AttentionBias``
+    (pos_w, ts_w, ts, query_ts: the bias is built in-kernel) or None. ``attend`` is the same with
+    the backend first, the attention-kernel signature of backends/kernels.py.
 
     use_custom_op: call ``torch.ops.grf.hstu_attention`` (torch.compile-friendly) instead of the
     eager ``autograd.Function``. Both run the same kernels.
     """
-
-    # tells NpuBackend to pass the bias parameters (pos_w, ts_w, ts, query_ts), not a dense bias
-    takes_bias_params = True
 
     def __init__(self, use_custom_op: bool = True, config: Optional[HstuTritonConfig] = None):
         if use_custom_op and config is not None:
@@ -650,14 +651,31 @@ class TritonHstuAttention:
         self.use_custom_op = use_custom_op
         self.config = config
 
-    def __call__(self, q, k, v, layout, norm_len, pos_w=None, ts_w=None, ts=None, query_ts=None):
-        if ts_w is None:
-            ts = query_ts = None
+    @staticmethod
+    def check_device(device_type: str) -> None:
+        """Raise ``UnsupportedOnBackend`` with the fix when the kernels cannot run on
+        ``device_type`` here (CPU without the interpreter, an NPU without triton-ascend, ...)."""
+        from ._errors import UnsupportedOnBackend
+
+        try:
+            compat.backend_kind(device_type, _hstu_fwd_kernel)
+        except RuntimeError as exc:
+            raise UnsupportedOnBackend(str(exc)) from None
+
+    def __call__(self, q, k, v, layout, norm_len, bias=None):
+        pos_w = ts_w = ts = query_ts = None
+        if bias is not None:
+            pos_w, ts_w = bias.pos_w, bias.ts_w
+            if ts_w is not None:
+                ts, query_ts = bias.ts, bias.query_ts
         if self.use_custom_op:
             return torch.ops.grf.hstu_attention(q, k, v, layout.offsets, int(layout.max_len), int(norm_len),
                                                 pos_w, ts_w, ts, query_ts)
         return hstu_attention_triton(q, k, v, layout.offsets, layout.max_len, norm_len, pos_w, ts_w, ts, query_ts,
                                      config=self.config)
+
+    def attend(self, B, q, k, v, layout, norm_len, bias):
+        return self(q, k, v, layout, norm_len, bias)
 
 
 __all__ = ["CONFIGS", "HstuAttentionFunction", "HstuTritonConfig", "TIME_BUCKET_DIVISOR", "TritonHstuAttention",

@@ -31,8 +31,7 @@ def test_attention_bench_json(capsys):
 @pytest.fixture
 def small_step_config(monkeypatch):
     monkeypatch.setattr(step, "KUAIRAND_1K", dataclasses.replace(
-        step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64,
-        num_negatives=8))
+        step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64))
 
 
 def test_mfu_and_throughput_bench_json(capsys, small_step_config):

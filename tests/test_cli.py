@@ -8,7 +8,7 @@ from gr_functional.checkpoint import load_checkpoint
 from gr_functional.cli import main
 
 TINY = ["data.synthetic_users=80", "data.synthetic_items=150", "data.synthetic_max_events=30",
-        "model.max_len=16", "model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.num_negatives=8",
+        "model.max_len=16", "model.embed_dim=16", "model.dqk=8", "model.dv=8", "loss.num_negatives=8",
         "train.epochs=2", "train.batch_size=32", "train.log_every=1", "eval.batch_size=64"]
 
 

@@ -25,7 +25,7 @@ def test_ml1m_configs_mirror_generative_recommenders():
         assert cfg.model.input_dropout == cfg.model.linear_dropout == 0.2
         assert cfg.train.batch_size == 128 and cfg.optim.lr == 1e-3
         assert (cfg.optim.beta1, cfg.optim.beta2) == (0.9, 0.98)
-        assert cfg.model.num_negatives == 128 and cfg.model.temperature == 0.05
+        assert cfg.loss.num_negatives == 128 and cfg.loss.temperature == 0.05
 
 
 def test_overrides():
@@ -92,13 +92,13 @@ def test_set_errors_name_the_override_not_the_file():
     ("optim.lr=-1e-3", "must be >= 0, got -0.001"),
     ("optim.beta2=1.0", "must be >= 0 and < 1, got 1.0"),
     ("optim.eps=0", "must be > 0"),
-    ("model.temperature=0", "must be > 0, got 0.0"),
-    ("model.temperature=nan", "must be a finite number > 0"),
+    ("loss.temperature=0", "must be > 0, got 0.0"),
+    ("loss.temperature=nan", "must be a finite number > 0"),
     ("model.ln_eps=0", "must be > 0"),
     ("model.l2_eps=0", "must be > 0"),
     ("model.input_dropout=1.0", "must be >= 0 and < 1"),
     ("model.max_len=0", "must be >= 1, got 0"),
-    ("model.num_negatives=0", "must be >= 1"),
+    ("loss.num_negatives=0", "must be >= 1"),
     ("eval.batch_size=0", "must be >= 1, got 0"),
     ("train.batch_size=0", "must be >= 1"),
     ("train.loss_scale=0.5", "must be >= 1"),
@@ -135,12 +135,13 @@ def test_near_miss_choice_is_suggested():
 
 def test_cross_key_rules():
     with pytest.raises(ConfigError, match=r"backend.hstu_kernel='triton': the jax backend has no such kernel; "
-                                          r"valid for jax: default, jagged, tiled, reference"):
+                                          r"'triton' runs on: torch, npu; valid for jax: 'default', 'jagged', "
+                                          r"'tiled', 'reference'"):
         load_config(None, ["backend.name=jax", "backend.hstu_kernel=triton"])
     with pytest.raises(ConfigError, match="must contain 10"):
         load_config(None, ["eval.ks=[5, 20]"])
     with pytest.raises(ConfigError, match="fp16 logits"):
-        load_config(None, ["backend.precision=fp16", "model.temperature=1e-6"])
+        load_config(None, ["backend.precision=fp16", "loss.temperature=1e-6"])
     assert load_config(None, ["backend.deterministic=true"]).backend.deterministic == "on"
 
 

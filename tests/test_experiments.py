@@ -28,3 +28,13 @@ def test_rab_ablation_trains_every_variant_and_tabulates_them(tmp_path, monkeypa
         assert f"| {folder} | {pos} | {time} | done | 0 |" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"pos+time", "pos only", "time only", "none"}
+
+
+def test_bpr_loss_example_runs_on_real_ml1m_batches_on_both_backends(capsys):
+    """README "A loss of one's own": the plugin's loss on real ML-1M batches (GRF_DATA_DIR), the
+    same value on torch and jax."""
+    losses = _load("bpr_loss").main(["--config", "ml1m_hstu", "--batches", "1", "--set", "train.batch_size=16"])
+    out = capsys.readouterr().out
+    assert "6,040 users" in out and "bpr loss of the first 1 batches" in out
+    assert abs(losses["torch"][0] - losses["jax"][0]) <= 1e-5 * abs(losses["jax"][0])
+    assert 0.0 < losses["torch"][0] < 10.0

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from .. import balance
-from ..batch import HSTUBatch, make_batch
+from ..batch import HSTUBatch, Negatives, make_batch
 from ..config import DistBalance, ModelConfig, choices
 from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
 from ..errors import DataError
@@ -151,7 +151,8 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
         return out
 
     return HSTUBatch(tokens, take(batch.ts), take(batch.query_ts), take(batch.targets), take(batch.weights),
-                     take(batch.negatives), take(batch.input_keep), take(batch.block_keep, axis=1))
+                     take(batch.negatives), take(batch.input_keep), take(batch.block_keep, axis=1),
+                     batch.shared_negatives)
 
 
 class TrainLoader:
@@ -173,7 +174,8 @@ class TrainLoader:
     """
 
     def __init__(self, data: SequenceData, model_cfg: ModelConfig, batch_size: int, seed: int,
-                 num_items: int | None = None, *, max_tokens: int = 0, split: RankSplit | None = None):
+                 num_items: int | None = None, *, max_tokens: int = 0, split: RankSplit | None = None,
+                 negatives: Negatives = Negatives()):
         if batch_size < 1:
             raise DataError(f"batch_size must be >= 1, got {batch_size}")
         if seed < 0:
@@ -192,6 +194,7 @@ class TrainLoader:
         self.seed = int(seed)
         self.num_items = int(num_items or model_cfg.num_items or data.num_items)
         self.max_tokens = int(max_tokens)
+        self.negatives = negatives
         # Input tokens per user: make_batch feeds s[:-1], truncated to the most recent max_len.
         self.tokens = np.minimum(lengths - 1, model_cfg.max_len).astype(np.int64)
         if self.max_tokens and self.max_tokens < int(self.tokens.max()):
@@ -207,11 +210,13 @@ class TrainLoader:
 
     @classmethod
     def from_config(cls, data: SequenceData, cfg, world_size: int = 1) -> "TrainLoader":
-        """From a full ``Config``: ``model``, ``train.batch_size``, ``train.seed`` and ``train.max_tokens``;
-        with ``world_size > 1`` also ``dist.*`` (the rank split)."""
+        """From a full ``Config``: ``model``, ``train.batch_size``, ``train.seed``, ``train.max_tokens``
+        and the negatives of ``loss.name``; with ``world_size > 1`` also ``dist.*`` (the rank split)."""
+        from ..losses import negatives_for
+
         split = RankSplit.from_config(cfg, world_size) if world_size > 1 else None
         return cls(data, cfg.model, cfg.train.batch_size, cfg.train.seed, cfg.model.num_items or data.num_items,
-                   max_tokens=cfg.train.max_tokens, split=split)
+                   max_tokens=cfg.train.max_tokens, split=split, negatives=negatives_for(cfg))
 
     def _check_split(self, split: RankSplit) -> None:
         R = split.world_size
@@ -297,7 +302,7 @@ class TrainLoader:
         histories, times = self.data.sequences(users)
         return make_batch(histories, times, self.model_cfg, rng=np.random.default_rng((self.seed, epoch, step)),
                           num_items=self.num_items, train=True, b_cap=self.batch_size,
-                          t_cap=round_up_capacity(int(self.tokens[users].sum())))
+                          t_cap=round_up_capacity(int(self.tokens[users].sum())), negatives=self.negatives)
 
     def rank_assignment(self, epoch: int, step: int) -> np.ndarray:
         """``[B_s] int64``: the rank that trains each sequence of global batch ``step`` (in the

@@ -1,56 +1,74 @@
-"""Download MovieLens from its publisher (GroupLens), verify the published checksum, unzip.
+"""Download a registered dataset from its publisher, verify the published checksum, unzip.
 
-MovieLens may not be redistributed, so the project never ships it: each user fetches it from
-files.grouplens.org. Checksum provenance: GroupLens publishes an MD5 beside each archive
-(``https://files.grouplens.org/datasets/movielens/ml-1m.zip.md5`` and ``ml-20m.zip.md5``, lines like
-``MD5 (ml-20m.zip) = cd245b17...``). The values pinned below were not fetched here (no network);
-they are the values that many independent public projects quote from those sidecar files
-(e.g. eli-osherovich/papers_with_code ``datasets/movielens/dl_config.py``, a script commenting
-"From: curl -O http://files.grouplens.org/datasets/movielens/ml-1m.zip.md5", and several dataset
-registries), all agreeing. GroupLens publishes no SHA-256, so MD5 is what can be checked.
+What to download is each dataset's ``DatasetSpec.download`` (``registry.Download``: URL, MD5,
+target folder); today MovieLens-1M and -20M (``sources/movielens.py``, where the checksums'
+provenance is documented). MovieLens may not be redistributed, so the project never ships it:
+each user fetches it from files.grouplens.org.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import http.client
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import DataError
+from . import registry
 from .paths import ENV_VAR, data_dir
+from .registry import Download
 
-LICENSE_NOTE = ("MovieLens is published by GroupLens Research (University of Minnesota) for research use; "
-                "it may not be redistributed. Cite: F. M. Harper and J. A. Konstan, The MovieLens Datasets: "
-                "History and Context, ACM TiiS 5(4), 2015. Terms: the README inside the archive.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    url: str
-    md5: str          # as published by GroupLens in <url>.md5
-    folder: str       # under the data dir
-    zip_prefix: str   # folder inside the archive
-    main: str         # the file dataset_path() looks for
-    approx_mb: int
+Source = Download  # the name this module used before the registry
 
 
-SOURCES: dict[str, Source] = {
-    "ml-1m": Source("https://files.grouplens.org/datasets/movielens/ml-1m.zip",
-                    "c4d9eecfca2ab87c1945afe126590906", "movielens-1m", "ml-1m/", "ratings.dat", 6),
-    "ml-20m": Source("https://files.grouplens.org/datasets/movielens/ml-20m.zip",
-                     "cd245b17a1ae2cc31bb14903e1204af3", "movielens-20m", "ml-20m/", "ratings.csv", 190),
-}
+class _Sources(MutableMapping):
+    """``SOURCES``: name -> ``Download`` of every downloadable registered dataset, read live from
+    the registry; assigning replaces a dataset's download (a mirror, or a test's fake archive)."""
+
+    def __getitem__(self, name: str) -> Download:
+        spec = registry.get_dataset(name) if name in registry.names() else None
+        if spec is None or spec.download is None:
+            raise KeyError(name)
+        return spec.download
+
+    def __setitem__(self, name: str, download: Download) -> None:
+        registry.set_download(name, download)
+
+    def __delitem__(self, name: str) -> None:
+        self[name]  # KeyError when there is nothing to remove
+        registry.set_download(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.downloadable())
+
+    def __len__(self) -> int:
+        return len(registry.downloadable())
+
+
+SOURCES: MutableMapping[str, Download] = _Sources()
+
+
+def __getattr__(name: str):
+    if name == "LICENSE_NOTE":  # moved with the MovieLens entries
+        from .sources.movielens import LICENSE_NOTE
+        return LICENSE_NOTE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _host(src: Download) -> str:
+    return urllib.parse.urlparse(src.url).netloc or src.url
+
 
 _CHUNK = 1 << 20
 
 
-def _download(src: Source, dest: Path, timeout: float, progress: Callable[[int, int], None] | None) -> str:
+def _download(src: Download, dest: Path, timeout: float, progress: Callable[[int, int], None] | None) -> str:
     """Stream ``src.url`` to ``dest``; returns the MD5 hex digest of the bytes written."""
     md5 = hashlib.md5(usedforsecurity=False)
     with urllib.request.urlopen(src.url, timeout=timeout) as resp, open(dest, "wb") as out:
@@ -69,7 +87,7 @@ def _download(src: Source, dest: Path, timeout: float, progress: Callable[[int, 
     return md5.hexdigest()
 
 
-def _extract(archive: Path, src: Source, target: Path) -> list[Path]:
+def _extract(archive: Path, src: Download, target: Path) -> list[Path]:
     """Unpack the files directly under ``src.zip_prefix`` into ``target`` (flat; nothing else is written)."""
     written = []
     try:
@@ -93,9 +111,22 @@ def _extract(archive: Path, src: Source, target: Path) -> list[Path]:
     return written
 
 
+def _not_fetchable(name: str) -> str:
+    """How to get a dataset that has no download (its how-to-get text, or that it needs no file)."""
+    if name not in registry.names():
+        return f" (registered datasets: {', '.join(registry.names())})"
+    spec = registry.get_dataset(name)
+    if not spec.needs_file:
+        return f" ({name} is generated: it needs no file)"
+    if spec.file is not None and spec.how_to_get:
+        return f" ({name}: {spec.how_to_get}: {data_dir() / spec.layout[0]})"
+    return f" ({name} reads the file named by data.path)"
+
+
 def fetch(name: str, dest_dir: str | Path | None = None, *, force: bool = False, timeout: float = 60.0,
           progress: Callable[[int, int], None] | None = None) -> Path:
-    """Download dataset ``name`` ("ml-1m" | "ml-20m"), check its MD5, unzip; returns the ratings file.
+    """Download dataset ``name`` (a registered dataset with a download: "ml-1m" | "ml-20m"), check
+    its MD5, unzip; returns the main file.
 
     Files land in ``<dest_dir or data_dir()>/movielens-1m/`` (``ratings.dat``, ``movies.dat``,
     ``users.dat``, ``README``) or ``movielens-20m/`` (``ratings.csv``, ``movies.csv``, ...). An existing
@@ -104,8 +135,7 @@ def fetch(name: str, dest_dir: str | Path | None = None, *, force: bool = False,
     the checksum does not match (the bad download is deleted).
     """
     if name not in SOURCES:
-        raise DataError(f"cannot fetch {name!r}: fetchable datasets are {', '.join(SOURCES)} "
-                        f"(KuaiRand: download it from https://kuairand.com, zenodo record 10439422)")
+        raise DataError(f"cannot fetch {name!r}: fetchable datasets are {', '.join(SOURCES)}{_not_fetchable(name)}")
     src = SOURCES[name]
     root = Path(dest_dir).expanduser() if dest_dir is not None else data_dir()
     target = root / src.folder
@@ -125,7 +155,7 @@ def fetch(name: str, dest_dir: str | Path | None = None, *, force: bool = False,
         raise
 
 
-def _fetch_into(src: Source, target: Path, main: Path, timeout: float,
+def _fetch_into(src: Download, target: Path, main: Path, timeout: float,
                 progress: Callable[[int, int], None] | None) -> Path:
     archive = target / (Path(src.url).name + ".part")
     by_hand = (f"download {src.url} by hand (about {src.approx_mb} MB), check `md5sum` prints {src.md5}, and unzip "
@@ -134,18 +164,19 @@ def _fetch_into(src: Source, target: Path, main: Path, timeout: float,
         got = _download(src, archive, timeout, progress)
     except urllib.error.HTTPError as exc:
         archive.unlink(missing_ok=True)
-        raise DataError(f"files.grouplens.org answered HTTP {exc.code} for {src.url}; {by_hand}") from None
+        raise DataError(f"{_host(src)} answered HTTP {exc.code} for {src.url}; {by_hand}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
         archive.unlink(missing_ok=True)
         reason = getattr(exc, "reason", exc)
-        raise DataError(f"could not reach files.grouplens.org: {reason}; {by_hand}") from None
+        raise DataError(f"could not reach {_host(src)}: {reason}; {by_hand}") from None
     except OSError as exc:  # local: disk full, permissions
         archive.unlink(missing_ok=True)
         raise DataError(f"could not write {archive}: {exc}; free some space or set {ENV_VAR} to another folder") from None
     if got != src.md5:
         archive.unlink(missing_ok=True)
-        raise DataError(f"checksum mismatch for {src.url}: md5 {got}, but GroupLens publishes {src.md5} "
-                        f"({src.url}.md5). The download is corrupt or was altered and has been deleted; "
+        where = f" ({src.md5_url})" if src.md5_url else ""
+        raise DataError(f"checksum mismatch for {src.url}: md5 {got}, but {src.publisher or _host(src)} publishes "
+                        f"{src.md5}{where}. The download is corrupt or was altered and has been deleted; "
                         f"run the fetch again, or {by_hand}")
     try:
         _extract(archive, src, target)

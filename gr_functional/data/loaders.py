@@ -1,4 +1,5 @@
-"""Readers for the raw interaction logs (MovieLens-1M, MovieLens-20M, KuaiRand) into numpy columns.
+"""The ``Interactions`` type and the fast reader of delimited numeric logs the dataset modules use
+(``sources/movielens.py``, ``sources/kuairand.py``).
 
 The fast path reads the file in large newline-aligned blocks and parses each block with one
 ``np.fromstring`` call (about 0.5 s for the 1M-row ML-1M file). A vectorised per-line field count
@@ -36,6 +37,8 @@ class Interactions:
       source             file the rows came from
       first_line         line number of row 0 in ``source`` (2 below a header), so row r is
                          ``source:first_line + r`` in error messages
+      lines[N] int64     line of each row in ``source`` when rows are not consecutive lines (rows
+                         filtered out, or records spanning lines), or None (then ``first_line + r``)
     """
 
     user: np.ndarray
@@ -46,12 +49,15 @@ class Interactions:
     name: str = ""
     source: str = ""
     first_line: int = 1
+    lines: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.user)
         columns = {"item": self.item, "time": self.time, **self.extra}
         if self.rating is not None:
             columns["rating"] = self.rating
+        if self.lines is not None:
+            columns["lines"] = self.lines
         for key, col in columns.items():
             if len(col) != n:
                 raise DataError(f"Interactions column {key!r} has {len(col)} rows, user has {n}")
@@ -62,7 +68,8 @@ class Interactions:
     def where(self, row: int) -> str:
         """``"FILE:LINE"`` of row ``row`` (file order), or ``"NAME row R"`` when built in memory."""
         if self.source:
-            return f"{self.source}:{self.first_line + int(row)}"
+            line = self.first_line + int(row) if self.lines is None else int(self.lines[row])
+            return f"{self.source}:{line}"
         return f"{self.name or 'interactions'} row {int(row)}"
 
 
@@ -225,91 +232,17 @@ def _int_column(values: np.ndarray, c: int) -> np.ndarray:
     return col if col.dtype == np.int64 else col.astype(np.int64)
 
 
-# ---------------------------------------------------------------------------------- MovieLens
-ML1M_FIELDS = ("UserID", "MovieID", "Rating", "Timestamp")
-ML20M_HEADER = ("userId", "movieId", "rating", "timestamp")
+# The dataset readers live with their registry entries (gr_functional/data/sources/); the old
+# import paths (``from gr_functional.data.loaders import load_movielens_1m``) still work.
+_MOVED = {
+    "load_movielens_1m": "movielens", "load_movielens_20m": "movielens", "ML1M_FIELDS": "movielens",
+    "ML20M_HEADER": "movielens", "load_kuairand_log": "kuairand", "KUAIRAND_LOG_COLUMNS": "kuairand",
+    "KUAIRAND_DEFAULT_EXTRA": "kuairand",
+}
 
 
-def load_movielens_1m(path: str | Path | None = None, *, block_bytes: int = _BLOCK_BYTES) -> Interactions:
-    """Read ML-1M ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``, no header).
-
-    Returns ``Interactions`` with user/item/time ``[N] int64`` (time in unix seconds) and
-    ``rating[N] float32`` in file order. ``path=None`` takes ``dataset_path("ml-1m")``.
-    """
-    from .paths import dataset_label, dataset_path
-    path = _check_file(dataset_path("ml-1m") if path is None else path)
-    values = _parse_table(path, sep="::", names=ML1M_FIELDS, int_cols={0, 1, 2, 3}, dtype=np.int64,
-                          block_bytes=block_bytes)
-    return Interactions(user=_int_column(values, 0), item=_int_column(values, 1), time=_int_column(values, 3),
-                        rating=values[:, 2].astype(np.float32), name=dataset_label("ml-1m", path),
-                        source=str(path))
-
-
-def load_movielens_20m(path: str | Path | None = None, *, block_bytes: int = _BLOCK_BYTES) -> Interactions:
-    """Read ML-20M ``ratings.csv`` (header ``userId,movieId,rating,timestamp``; ratings 0.5..5).
-
-    Returns ``Interactions`` with user/item/time ``[N] int64`` (unix seconds) and ``rating[N] float32``.
-    """
-    from .paths import dataset_label, dataset_path
-    path = _check_file(dataset_path("ml-20m") if path is None else path)
-    header, offset = _read_first_line(path)
-    got = tuple(h.strip() for h in header.decode("utf-8", errors="replace").split(","))
-    if got != ML20M_HEADER:
-        if not header.strip():
-            raise DataError(f"{path}: file is empty (expected a header {','.join(ML20M_HEADER)!r} and rows)")
-        raise DataError(f"{path}:1: expected the header {','.join(ML20M_HEADER)!r}, got {header[:120]!r}; "
-                        f"is this MovieLens-20M ratings.csv?")
-    # float64 holds every id and timestamp exactly (< 2^53); int columns are checked to be integral.
-    values = _parse_table(path, sep=",", names=ML20M_HEADER, int_cols={0, 1, 3}, dtype=np.float64,
-                          start=offset, first_lineno=2, block_bytes=block_bytes)
-    return Interactions(user=_int_column(values, 0), item=_int_column(values, 1), time=_int_column(values, 3),
-                        rating=values[:, 2].astype(np.float32), name=dataset_label("ml-20m", path),
-                        source=str(path), first_line=2)
-
-
-# ---------------------------------------------------------------------------------- KuaiRand
-KUAIRAND_LOG_COLUMNS = (
-    "user_id", "video_id", "date", "hourmin", "time_ms", "is_click", "is_like", "is_follow", "is_comment",
-    "is_forward", "is_hate", "long_view", "play_time_ms", "duration_ms", "profile_stay_time",
-    "comment_stay_time", "is_profile_enter", "is_rand", "tab",
-)
-KUAIRAND_DEFAULT_EXTRA = (
-    "is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view",
-    "play_time_ms", "duration_ms", "tab",
-)
-_KUAIRAND_REQUIRED = ("user_id", "video_id", "time_ms")
-
-
-def load_kuairand_log(path: str | Path | None = None, *, columns: Sequence[str] = KUAIRAND_DEFAULT_EXTRA,
-                      block_bytes: int = _BLOCK_BYTES) -> Interactions:
-    """Read an official KuaiRand log CSV (``log_standard_*.csv`` / ``log_random_*.csv``, 19 columns).
-
-    Columns are found by header name. ``user_id`` -> user, ``video_id`` -> item, ``time_ms // 1000``
-    -> time (seconds; ``date``/``hourmin`` disagree with ``time_ms`` by up to 1 h, so they are not used).
-    ``columns`` picks the feedback columns kept in ``extra`` (each ``[N] int64``, or float64 if the
-    file holds fractions); ``time_ms`` is always kept too. ``path=None`` reads the 211-row sample.
-    """
-    from .paths import dataset_label, dataset_path
-    path = _check_file(dataset_path("kuairand-sample") if path is None else path)
-    header, offset = _read_first_line(path)
-    names = tuple(h.strip() for h in header.decode("utf-8", errors="replace").split(","))
-    if not header.strip():
-        raise DataError(f"{path}: file is empty (expected the KuaiRand log header "
-                        f"{','.join(KUAIRAND_LOG_COLUMNS)!r} and rows)")
-    missing = [c for c in (*_KUAIRAND_REQUIRED, *columns) if c not in names]
-    if missing:
-        raise DataError(f"{path}:1: KuaiRand log header lacks column(s) {', '.join(missing)}; got {names!r}; "
-                        f"the official log schema is {','.join(KUAIRAND_LOG_COLUMNS)}")
-    index = {c: names.index(c) for c in names}
-    int_cols = {index[c] for c in _KUAIRAND_REQUIRED}
-    values = _parse_table(path, sep=",", names=names, int_cols=int_cols, dtype=np.float64,
-                          start=offset, first_lineno=2, block_bytes=block_bytes)
-    time_ms = _int_column(values, index["time_ms"])
-    extra = {"time_ms": time_ms}
-    for c in columns:
-        col = values[:, index[c]]
-        integral = bool(np.all(np.isfinite(col) & (col == np.floor(col))))
-        extra[c] = col.astype(np.int64) if integral else col
-    return Interactions(user=_int_column(values, index["user_id"]), item=_int_column(values, index["video_id"]),
-                        time=time_ms // 1000, extra=extra, name=dataset_label("kuairand", path), source=str(path),
-                        first_line=2)
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        return getattr(importlib.import_module(f".sources.{_MOVED[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 What it is: plain torch, one sequence at a time, with autograd from torch, implementing OUR
 READING of the documented semantics (RecSDK ``cust_op/ascendc_op/ai_core_op/hstu_dense_forward/
 README.md``, ``cust_op/framework/torch_plugin/torch_library/hstu/README.md``,
-``docs/en/rec_ops/hstu_v1_forward.md``; summary in shared/reference/npu_ecosystem.md §2.1)::
+``docs/en/rec_ops/hstu_v1_forward.md``; npu_ops/README.md)::
 
     HSTU(q, k, v, mask, bias, siluScale) = (SiLU(q k^T + bias) * siluScale * mask) v
     jagged q/k/v [ΣS, N, D] split by seq_offset [B+1] (int32/int64, starting at 0)

@@ -1,11 +1,13 @@
 import numpy as np
 import pytest
 
+from gr_functional.batch import Negatives
 from gr_functional.config import ModelConfig
 from gr_functional.data import DataError, SequenceData, TrainLoader, eval_batches, iter_eval, leave_one_out, make_synthetic
 from gr_functional.jagged import round_up_capacity
 
-CFG = ModelConfig(max_len=20, num_negatives=4, embed_dim=8, num_blocks=1, num_heads=1, dqk=8, dv=8)
+CFG = ModelConfig(max_len=20, embed_dim=8, num_blocks=1, num_heads=1, dqk=8, dv=8)
+NEGATIVES = Negatives("sampled", 4)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def _check_batch(batch, users, data, loader):
     assert (np.asarray(tok.seq_id)[n_tokens:] == tok.b_cap).all()
     assert (np.asarray(tok.values)[n_tokens:] == 0).all()
     assert (np.asarray(batch.targets)[n_tokens:] == 0).all() and (np.asarray(batch.targets)[:n_tokens] > 0).all()
-    assert batch.negatives.shape == (tok.t_cap, CFG.num_negatives)
+    assert batch.negatives.shape == (tok.t_cap, loader.negatives.count)
     assert (batch.negatives[:n_tokens] >= 1).all() and (batch.negatives[:n_tokens] <= data.num_items).all()
     assert (batch.negatives[n_tokens:] == 0).all()
     assert tok.lengths.max() <= CFG.max_len
@@ -38,7 +40,7 @@ def _check_batch(batch, users, data, loader):
 
 def test_every_user_once_per_epoch(split):
     data = split.train
-    loader = TrainLoader(data, CFG, batch_size=32, seed=7)
+    loader = TrainLoader(data, CFG, batch_size=32, seed=7, negatives=NEGATIVES)
     assert loader.num_items == data.num_items
     assert loader.steps_per_epoch == -(-len(data) // 32)
     for epoch in range(2):
@@ -54,9 +56,9 @@ def test_every_user_once_per_epoch(split):
 
 
 def test_deterministic(split):
-    a = TrainLoader(split.train, CFG, 32, seed=7).batch(1, 2)
-    b = TrainLoader(split.train, CFG, 32, seed=7).batch(1, 2)
-    c = TrainLoader(split.train, CFG, 32, seed=8).batch(1, 2)
+    a = TrainLoader(split.train, CFG, 32, seed=7, negatives=NEGATIVES).batch(1, 2)
+    b = TrainLoader(split.train, CFG, 32, seed=7, negatives=NEGATIVES).batch(1, 2)
+    c = TrainLoader(split.train, CFG, 32, seed=8, negatives=NEGATIVES).batch(1, 2)
     np.testing.assert_array_equal(a.negatives, b.negatives)
     np.testing.assert_array_equal(a.input_keep, b.input_keep)
     np.testing.assert_array_equal(a.tokens.values, b.tokens.values)
@@ -64,10 +66,10 @@ def test_deterministic(split):
 
 
 def test_resume_mid_epoch_and_at_epoch_end(split):
-    full = TrainLoader(split.train, CFG, 32, seed=7)
+    full = TrainLoader(split.train, CFG, 32, seed=7, negatives=NEGATIVES)
     reference = list(full.epoch(0)) + list(full.epoch(1))
 
-    first = TrainLoader(split.train, CFG, 32, seed=7)
+    first = TrainLoader(split.train, CFG, 32, seed=7, negatives=NEGATIVES)
     seen = []
     for i, batch in enumerate(first):
         seen.append(batch)
@@ -76,7 +78,7 @@ def test_resume_mid_epoch_and_at_epoch_end(split):
     state = first.state_dict()
     assert (state["epoch"], state["step"]) == (0, 2)
 
-    resumed = TrainLoader(split.train, CFG, 32, seed=7)
+    resumed = TrainLoader(split.train, CFG, 32, seed=7, negatives=NEGATIVES)
     resumed.load_state_dict(state)
     seen += list(resumed)                      # rest of epoch 0
     assert resumed.position == (1, 0)          # next batch: first of epoch 1
@@ -87,12 +89,12 @@ def test_resume_mid_epoch_and_at_epoch_end(split):
         np.testing.assert_array_equal(got.negatives, want.negatives)
 
     with pytest.raises(DataError, match="seed=7"):
-        TrainLoader(split.train, CFG, 32, seed=9).load_state_dict(state)
+        TrainLoader(split.train, CFG, 32, seed=9, negatives=NEGATIVES).load_state_dict(state)
 
 
 def test_token_budget(split):
     data = split.train
-    loader = TrainLoader(data, CFG, batch_size=16, seed=1, max_tokens=120)
+    loader = TrainLoader(data, CFG, batch_size=16, seed=1, max_tokens=120, negatives=NEGATIVES)
     plan = loader.plan(0)
     np.testing.assert_array_equal(np.sort(np.concatenate(plan)), np.arange(len(data)))
     for users in plan:
@@ -105,14 +107,14 @@ def test_token_budget(split):
         _check_batch(batch, users, data, loader)
     assert loader.steps_per_epoch == len(plan)
     with pytest.raises(DataError, match="max_tokens=10"):
-        TrainLoader(data, CFG, 16, seed=1, max_tokens=10)
+        TrainLoader(data, CFG, 16, seed=1, max_tokens=10, negatives=NEGATIVES)
 
 
 def test_rejects_users_without_a_target():
     data = SequenceData(np.array([1, 2, 3], np.int32), np.array([1, 2, 3], np.int64),
                         np.array([0, 2, 3], np.int64), np.array([5, 6], np.int64), num_items=3)
     with pytest.raises(DataError, match=r"user row 1 \(id 6\) has 1 event\(s\); training needs >= 2"):
-        TrainLoader(data, CFG, 8, seed=0)
+        TrainLoader(data, CFG, 8, seed=0, negatives=NEGATIVES)
 
 
 def test_eval_batches(split):
@@ -149,7 +151,7 @@ def test_eval_batches(split):
 
 def test_from_config(split):
     from gr_functional.config import Config, replace
-    cfg = replace(Config(), model={"max_len": 20, "num_negatives": 4}, train={"batch_size": 16, "seed": 5})
+    cfg = replace(Config(), model={"max_len": 20}, loss={"num_negatives": 4}, train={"batch_size": 16, "seed": 5})
     loader = TrainLoader.from_config(split.train, cfg)
     assert (loader.batch_size, loader.seed, loader.max_tokens) == (16, 5, 0)
     assert loader.num_items == split.train.num_items

@@ -1,23 +1,27 @@
-"""HSTU block, full loss, all gradients, one optimizer step and a 50-step trajectory: torch vs JAX."""
+"""HSTU block, full loss, all gradients, one optimizer step and a 50-step trajectory: every backend
+of GRF_TEST_BACKENDS (and every registered attention kernel on it) vs the JAX reference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
 
 from backends import get_backend
 from gr_functional import model
-from gr_functional.batch import make_batch
+from gr_functional.batch import Negatives, make_batch
 from gr_functional.config import Config, ModelConfig, OptimConfig
 from gr_functional.optim import adamw_init, adamw_update
 from gr_functional.train import make_train_step
 from gr_functional.tree import tree_items
 
-from .common import FWD_TOL, GRAD_TOL, MAX_LEN, TRAJ_TOL, rel_err
+from .common import (FWD_TOL, GRAD_TOL, MAX_LEN, REFERENCE_BACKEND, TRAJ_TOL, compared_backends, kernel_backend,
+                     kernel_params, rel_err)
 
 CFG = ModelConfig(num_items=200, embed_dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, max_len=MAX_LEN,
-                  num_negatives=16, input_dropout=0.2, linear_dropout=0.2)
+                  input_dropout=0.2, linear_dropout=0.2)
+NEGATIVES = Negatives("sampled", 16)
 
 # name -> (number of events per user, b_cap); a user of n events gives n-1 input tokens
 BATCH_CASES = {
@@ -35,11 +39,16 @@ def make_train_batch(case, seed=0, cfg=CFG):
     rng = np.random.default_rng(seed)
     histories = [rng.integers(1, cfg.num_items + 1, n) for n in events]
     times = [np.cumsum(rng.integers(0, 10**6, n)) + 10**9 for n in events]
-    return make_batch(histories, times, cfg, rng=rng, num_items=cfg.num_items, b_cap=b_cap)
+    return make_batch(histories, times, cfg, rng=rng, num_items=cfg.num_items, b_cap=b_cap, negatives=NEGATIVES)
 
 
-def both(fn):
-    return {name: fn(get_backend(name)) for name in ("jax", "torch")}
+def on_reference_and_compared(fn):
+    """``(fn(reference backend), {name: fn(backend name)})`` for every backend of GRF_TEST_BACKENDS
+    but the reference (JAX); skips when there is none to compare."""
+    others = compared_backends()
+    if not others:
+        pytest.skip(f"GRF_TEST_BACKENDS names no backend besides the reference {REFERENCE_BACKEND!r}")
+    return fn(get_backend(REFERENCE_BACKEND)), {name: fn(get_backend(name)) for name in others}
 
 
 @pytest.mark.parametrize("case", list(BATCH_CASES))
@@ -60,36 +69,54 @@ def test_block_forward_and_grads(case):
             model.hstu_block(B, a["block"], a["x"], b, CFG, keep) * B.asarray(cot)))(inputs)
         return B.to_numpy(out), {k: B.to_numpy(v) for k, v in tree_items(g)}
 
-    res = both(run)
-    assert rel_err(res["torch"][0], res["jax"][0]) <= FWD_TOL
-    for key, g in res["jax"][1].items():
-        assert rel_err(res["torch"][1][key], g) <= GRAD_TOL, key
+    ref, res = on_reference_and_compared(run)
+    for name, (out, g) in res.items():
+        assert rel_err(out, ref[0]) <= FWD_TOL, name
+        for key, want in ref[1].items():
+            assert rel_err(g[key], want) <= GRAD_TOL, (name, key)
+
+
+# tiles of 4 tokens: several chunks per sequence for the kernels that use the tile plan
+KERNEL_CFG = dataclasses.replace(CFG, attention_tile=4)
+
+
+def _loss_and_grads(B, case):
+    batch = make_train_batch(case, cfg=KERNEL_CFG)
+    params = model.init_params(KERNEL_CFG, seed=3)
+    loss, g = B.value_and_grad(lambda p, b: model.loss_fn(B, p, b, KERNEL_CFG))(
+        B.asarray_tree(params), B.asarray_tree(batch))
+    return float(loss), {k: B.to_numpy(v) for k, v in tree_items(g)}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_loss_and_grads(case):
+    """The reference: the JAX backend with the padded reference attention."""
+    return _loss_and_grads(get_backend(REFERENCE_BACKEND, hstu_kernel="reference"), case)
+
+
+def check_model_kernel(B, case: str) -> None:
+    """The full loss and every parameter's gradient on backend B (its attention kernel) vs the
+    JAX reference with the padded attention, on batch case ``case``."""
+    want_loss, want = _reference_loss_and_grads(case)
+    loss, got = _loss_and_grads(B, case)
+    assert np.isfinite(want_loss)
+    assert rel_err(loss, want_loss) <= FWD_TOL, f"{B.name}/{B.hstu_kernel} loss"
+    assert set(got) == set(want) == {k for k, _ in tree_items(model.init_params(KERNEL_CFG, seed=3))}
+    for key, g in want.items():
+        assert np.isfinite(got[key]).all(), key
+        assert rel_err(got[key], g) <= GRAD_TOL, f"{B.name}/{B.hstu_kernel} d{key}"
 
 
 @pytest.mark.parametrize("case", list(BATCH_CASES))
-@pytest.mark.parametrize("kernel", ["tiled", "reference"])
-def test_loss_and_every_gradient(case, kernel):
-    """Both attention kernels (tiles of 4 tokens: several chunks per sequence), torch vs JAX."""
-    cfg = dataclasses.replace(CFG, attention_tile=4)
-    batch = make_train_batch(case, cfg=cfg)
-    params = model.init_params(CFG, seed=3)
-
-    def run(B):
-        B = get_backend(B.name, hstu_kernel=kernel)
-        loss, g = B.value_and_grad(lambda p, b: model.loss_fn(B, p, b, cfg))(
-            B.asarray_tree(params), B.asarray_tree(batch))
-        return float(loss), {k: B.to_numpy(v) for k, v in tree_items(g)}
-
-    res = both(run)
-    assert np.isfinite(res["jax"][0])
-    assert rel_err(res["torch"][0], res["jax"][0]) <= FWD_TOL
-    assert set(res["jax"][1]) == set(res["torch"][1]) == {k for k, _ in tree_items(params)}
-    for key, g in res["jax"][1].items():
-        assert np.isfinite(g).all(), key
-        assert rel_err(res["torch"][1][key], g) <= GRAD_TOL, key
+@pytest.mark.parametrize("backend_name, kernel", [
+    p for p in kernel_params() if tuple(p.values) != (REFERENCE_BACKEND, "reference")])
+def test_loss_and_every_gradient(backend_name, kernel, case):
+    """Every registered attention kernel on every backend of GRF_TEST_BACKENDS that implements
+    it: loss and all gradients vs the JAX reference (padded attention)."""
+    check_model_kernel(kernel_backend(backend_name, kernel), case)
 
 
-def test_padding_does_not_change_the_loss():
+def test_padding_does_not_change_the_loss(backend):
     """The same sequences under larger capacities (more padding rows, more empty slots) give the
     same loss: padding belongs to no sequence."""
     rng = np.random.default_rng(0)
@@ -97,11 +124,12 @@ def test_padding_does_not_change_the_loss():
     histories = [rng.integers(1, CFG.num_items + 1, n) for n in events]
     times = [np.cumsum(rng.integers(0, 10**6, n)) for n in events]
     cfg = ModelConfig(**{**CFG.__dict__, "input_dropout": 0.0, "linear_dropout": 0.0})
-    small = make_batch(histories, times, cfg, rng=np.random.default_rng(1), num_items=cfg.num_items)
+    small = make_batch(histories, times, cfg, rng=np.random.default_rng(1), num_items=cfg.num_items,
+                       negatives=NEGATIVES)
     big = make_batch(histories, times, cfg, rng=np.random.default_rng(1), num_items=cfg.num_items,
-                     t_cap=small.layout.t_cap * 3, b_cap=9)
+                     t_cap=small.layout.t_cap * 3, b_cap=9, negatives=NEGATIVES)
     params = model.init_params(cfg, seed=0)
-    B = get_backend("torch")
+    B = backend
     losses = [float(model.loss_fn(B, B.asarray_tree(params), B.asarray_tree(b), cfg)) for b in (small, big)]
     assert rel_err(losses[1], losses[0]) <= FWD_TOL
 
@@ -123,9 +151,10 @@ def test_one_optimizer_step_same_grads():
             p, state = adamw_update(B, B.asarray_tree(grads), state, p, opt)
         return {k: B.to_numpy(v) for k, v in tree_items(p)}
 
-    res = both(run)
-    for key, value in res["jax"].items():
-        assert rel_err(res["torch"][key], value) <= FWD_TOL, key
+    ref, res = on_reference_and_compared(run)
+    for name, got in res.items():
+        for key, value in ref.items():
+            assert rel_err(got[key], value) <= FWD_TOL, (name, key)
 
 
 def test_50_step_trajectory():
@@ -145,6 +174,7 @@ def test_50_step_trajectory():
             losses.append(float(metrics["loss"]))
         return np.array(losses)
 
-    res = both(run)
-    assert res["jax"][-1] < res["jax"][0]  # it trains
-    assert rel_err(res["torch"], res["jax"]) <= TRAJ_TOL
+    ref, res = on_reference_and_compared(run)
+    assert ref[-1] < ref[0]  # it trains
+    for name, losses in res.items():
+        assert rel_err(losses, ref) <= TRAJ_TOL, name

@@ -1,14 +1,19 @@
-"""Every kernel op: each backend vs the float64 numpy oracle (forward), torch vs JAX (gradients)."""
+"""Every kernel op: each backend of GRF_TEST_BACKENDS vs the float64 numpy oracle (forward) and vs
+the reference ops in float64 (gradients); every registered attention kernel on every backend that
+implements it, outputs and gradients vs the padded reference."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from backends import get_backend
+from backends import BackendUnavailable, get_backend
 from backends.base import Backend, time_bucket_thresholds
+from gr_functional.errors import ConfigError
 
 from . import oracle
-from .common import FWD_TOL, GRAD_TOL, LAYOUT_CASES, make_layout, rel_err
+from .common import (FWD_TOL, GRAD_TOL, LAYOUT_CASES, attention_bias, attention_inputs, backends_under_test,
+                     check_attention_kernel, grads, kernel_backend, kernel_params, reference_grad_backend,
+                     rel_err)
 
 
 def test_kernel_op_list_is_covered():
@@ -17,19 +22,14 @@ def test_kernel_op_list_is_covered():
     assert set(Backend.KERNEL_OPS) == tested
 
 
-def _grads(name, f, inputs):
-    """Gradients of ``f(B, *inputs)`` (a scalar) w.r.t. the float inputs, on backend ``name``."""
-    B = get_backend(name)
-    args = B.asarray_tree(inputs)
-    _, g = B.value_and_grad(lambda a: f(B, a))(args)
-    return B.to_numpy_tree(g)
-
-
 def _assert_grads_agree(f, inputs):
-    gj, gt = _grads("jax", f, inputs), _grads("torch", f, inputs)
-    for key in inputs:
-        if np.issubdtype(np.asarray(inputs[key]).dtype, np.floating):
-            assert rel_err(gt[key], gj[key]) <= GRAD_TOL, key
+    """Gradients of ``f(B, a)`` on every backend under test vs the reference ops in float64."""
+    ref = grads(reference_grad_backend(), f, inputs)
+    for name in backends_under_test():
+        got = grads(get_backend(name), f, inputs)
+        for key in inputs:
+            if np.issubdtype(np.asarray(inputs[key]).dtype, np.floating):
+                assert rel_err(got[key], ref[key]) <= GRAD_TOL, (name, key)
 
 
 def test_elementwise_ops_vs_oracle(backend, rng):
@@ -44,7 +44,7 @@ def test_elementwise_ops_vs_oracle(backend, rng):
     assert rel_err(B.to_numpy(B.hstu_norm_mul(X, X * 2, 1e-6)), 2 * x64 * oracle.layer_norm(x64)) <= FWD_TOL
 
 
-def test_elementwise_ops_grads_torch_vs_jax(rng):
+def test_elementwise_ops_grads(rng):
     x = (rng.standard_normal((7, 5)) * 3).astype(np.float32)
     x[2] = 0.0
     cot = rng.standard_normal((7, 5)).astype(np.float32)
@@ -91,61 +91,35 @@ def test_time_bucket_thresholds_match_float64_log():
     np.testing.assert_array_equal(got, want)
 
 
-def _attention_inputs(case, rng, heads=2, dqk=4, dv=3, with_bias=True, norm_len=17):
-    layout = make_layout(case)
-    T = layout.t_cap
-    real = layout.num_tokens()
-    mask = (np.arange(T) < real)[:, None, None]
-    q = (rng.standard_normal((T, heads, dqk)) * mask).astype(np.float32)
-    k = (rng.standard_normal((T, heads, dqk)) * mask).astype(np.float32)
-    v = (rng.standard_normal((T, heads, dv)) * mask).astype(np.float32)
-    ts = np.zeros(T, np.int32)
-    ts[:real] = rng.integers(0, 10**7, real)
-    query_ts = np.zeros(T, np.int32)
-    query_ts[:real] = ts[:real] + rng.integers(0, 10**5, real)
-    inputs = {"q": q, "k": k, "v": v, "ts": ts, "query_ts": query_ts}
-    if with_bias:
-        inputs["pos_w"] = rng.standard_normal(2 * norm_len - 1).astype(np.float32)
-        inputs["ts_w"] = rng.standard_normal(129).astype(np.float32)
-    return layout, inputs, norm_len
-
-
+# ------------------------------------------------------------------ attention kernels (registry)
+@pytest.mark.parametrize("backend_name, kernel", kernel_params())
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_hstu_attention_vs_oracle(backend, rng, case, with_bias):
-    layout, inputs, n = _attention_inputs(case, rng, with_bias=with_bias)
-    B = backend
-    a = B.asarray_tree(inputs)
-    lay = B.asarray_tree(layout)
-    out = B.hstu_attention(a["q"], a["k"], a["v"], lay, n, pos_w=a.get("pos_w"), ts_w=a.get("ts_w"),
-                           ts=a["ts"], query_ts=a["query_ts"])
-    f64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
-    want = oracle.hstu_attention(f64["q"], f64["k"], f64["v"], layout.offsets, n, f64.get("pos_w"),
-                                 f64.get("ts_w"), inputs["ts"], inputs["query_ts"])
-    assert rel_err(B.to_numpy(out), want) <= FWD_TOL
+def test_attention_kernel_vs_padded_reference(backend_name, kernel, case, with_bias):
+    """Every registered kernel (backends/kernels.py) on every backend of GRF_TEST_BACKENDS that
+    implements it: output vs the float64 oracle, all gradients vs the float64 padded reference."""
+    check_attention_kernel(kernel_backend(backend_name, kernel), case, with_bias)
 
 
-@pytest.mark.parametrize("case", list(LAYOUT_CASES))
-def test_hstu_attention_grads_torch_vs_jax(rng, case):
-    layout, inputs, n = _attention_inputs(case, rng)
-    inputs["cot"] = rng.standard_normal(inputs["v"].shape).astype(np.float32)
-    inputs["layout"] = layout
-
-    def f(B, a):
-        out = B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, pos_w=a["pos_w"], ts_w=a["ts_w"],
-                               ts=a["ts"], query_ts=a["query_ts"])
-        return B.xp.sum(out * a["cot"])
-
-    gj, gt = _grads("jax", f, inputs), _grads("torch", f, inputs)
-    for key in ("q", "k", "v", "pos_w", "ts_w"):
-        assert rel_err(gt[key], gj[key]) <= GRAD_TOL, key
+@pytest.mark.parametrize("backend_name, kernel", kernel_params(all_backends=True))
+def test_every_registered_kernel_builds_or_says_why(backend_name, kernel):
+    """A kernel either builds on its backend here or is refused with the reason (no GPU, no
+    Ascend NPU, a missing package): never another error."""
+    if backend_name in backends_under_test():
+        try:
+            B = get_backend(backend_name, hstu_kernel=kernel)
+        except (BackendUnavailable, ConfigError) as exc:
+            pytest.skip(f"kernel {kernel!r} on {backend_name}: {exc}")
+        assert B.hstu_kernel == kernel
+    else:
+        kernel_backend(backend_name, kernel)  # skips, with the backend's reason when it is unavailable
 
 
 def test_relative_bias_vs_oracle(backend, rng):
-    layout, inputs, n = _attention_inputs("mixed", rng)
+    layout, inputs, n = attention_inputs("mixed", rng)
     B = backend
     a = B.asarray_tree(inputs)
-    bias = B.to_numpy(B.relative_bias(B.asarray_tree(layout), n, a["pos_w"], a["ts_w"], a["ts"], a["query_ts"]))
+    bias = B.to_numpy(B.relative_bias(B.asarray_tree(layout), n, attention_bias(B, a)))
     f64 = {k: v.astype(np.float64) for k, v in inputs.items() if k in ("pos_w", "ts_w")}
     for b, (s, e) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
         want = oracle.relative_bias_seq(e - s, n, f64["pos_w"], f64["ts_w"], inputs["ts"][s:e],
@@ -191,11 +165,10 @@ TILES = [1, 4, 5, 12]
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("tile", TILES)
 def test_hstu_attention_tiled_vs_oracle(backend, rng, case, tile):
-    layout, inputs, n = _attention_inputs(case, rng)
+    layout, inputs, n = attention_inputs(case, rng)
     lay = backend.asarray_tree(layout.with_tiles(tile))
     a = backend.asarray_tree(inputs)
-    out = backend.hstu_attention_tiled(a["q"], a["k"], a["v"], lay, n, pos_w=a["pos_w"], ts_w=a["ts_w"],
-                                       ts=a["ts"], query_ts=a["query_ts"])
+    out = backend.hstu_attention_tiled(a["q"], a["k"], a["v"], lay, n, attention_bias(backend, a))
     f64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
     want = oracle.hstu_attention(f64["q"], f64["k"], f64["v"], layout.offsets, n, f64["pos_w"],
                                  f64["ts_w"], inputs["ts"], inputs["query_ts"])
@@ -204,31 +177,32 @@ def test_hstu_attention_tiled_vs_oracle(backend, rng, case, tile):
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("tile", [1, 5])
-def test_hstu_attention_tiled_grads_vs_padded_and_jax(rng, case, tile):
-    """Gradients of the tiled kernel: torch vs JAX, and each vs its own padded reference."""
-    layout, inputs, n = _attention_inputs(case, rng)
+def test_hstu_attention_tiled_grads_vs_padded(rng, case, tile):
+    """Gradients of the tiled op at several tile sizes, on every backend under test: vs the
+    padded reference in float64 and vs the backend's own padded op."""
+    layout, inputs, n = attention_inputs(case, rng)
     inputs["cot"] = rng.standard_normal(inputs["v"].shape).astype(np.float32)
     inputs["layout"] = layout.with_tiles(tile)
 
     def loss(op):
         def f(B, a):
-            out = getattr(B, op)(a["q"], a["k"], a["v"], a["layout"], n, pos_w=a["pos_w"], ts_w=a["ts_w"],
-                                 ts=a["ts"], query_ts=a["query_ts"])
+            out = getattr(B, op)(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(B, a))
             return B.xp.sum(out * a["cot"])
         return f
 
-    tiled = {name: _grads(name, loss("hstu_attention_tiled"), inputs) for name in ("jax", "torch")}
-    padded = {name: _grads(name, loss("hstu_attention_padded"), inputs) for name in ("jax", "torch")}
-    for key in ("q", "k", "v", "pos_w", "ts_w"):
-        assert rel_err(tiled["torch"][key], tiled["jax"][key]) <= GRAD_TOL, key
-        for name in ("jax", "torch"):
-            assert rel_err(tiled[name][key], padded[name][key]) <= GRAD_TOL, (name, key)
+    ref = grads(reference_grad_backend(), loss("hstu_attention_padded"), inputs)
+    for name in backends_under_test():
+        B = get_backend(name)
+        tiled, padded = grads(B, loss("hstu_attention_tiled"), inputs), grads(B, loss("hstu_attention_padded"), inputs)
+        for key in ("q", "k", "v", "pos_w", "ts_w"):
+            assert rel_err(tiled[key], ref[key]) <= GRAD_TOL, (name, key)
+            assert rel_err(tiled[key], padded[key]) <= GRAD_TOL, (name, key)
 
 
 def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
     """"tiled" runs the tiles whenever there is a plan, "reference" never, "jagged" where the
     plan saves at least ``jagged_min_work_ratio`` of the padded score cells (static shapes)."""
-    layout, inputs, n = _attention_inputs("mixed", rng)      # b_cap 6 x max_len 12^2 = 864 cells
+    layout, inputs, n = attention_inputs("mixed", rng)      # b_cap 6 x max_len 12^2 = 864 cells
     fine, coarse = layout.with_tiles(1), layout.with_tiles(12)  # 192 x 1 and 8 x 144 cells (capacities)
     calls = []
     for kernel in ("jagged", "tiled", "reference"):

@@ -38,7 +38,7 @@ def worst_param_error(got: dict, want: dict) -> tuple[float, str]:
 # 64 synthetic users -> 64 training users; global batch 16 -> 4 steps per epoch
 TINY = ["data.synthetic_users=64", "data.synthetic_items=120", "data.synthetic_max_events=40",
         "model.max_len=16", "model.embed_dim=16", "model.num_blocks=2", "model.num_heads=2", "model.dqk=8",
-        "model.dv=8", "model.num_negatives=8", "train.batch_size=16", "train.log_every=1", "eval.batch_size=64",
+        "model.dv=8", "loss.num_negatives=8", "train.batch_size=16", "train.log_every=1", "eval.batch_size=64",
         "eval.max_users=16"]
 # 20 optimizer steps (5 epochs of 4), evaluated only at the end
 STEPS = ["train.max_steps=20", "train.epochs=10", "train.eval_every=100"]

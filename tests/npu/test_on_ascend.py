@@ -58,7 +58,7 @@ def npu32():
 @pytest.fixture(scope="module")
 def mxrec():
     _require(npu_ops.mxrec_status())
-    return npu_ops.select_hstu_attention("mxrec")
+    return npu_ops.mxrec_hstu_attention()
 
 
 def _compare(ref, got, tol):

@@ -105,8 +105,8 @@ def test_empty_sequences_are_never_passed():
     # the bias rows follow the kept sequences (0 and 2), not the first two slots
     B = _backend("float64")
     layout = B.asarray_tree(case.layout)
-    bias = B.relative_bias(layout, case.norm_len, B.asarray(case.pos_w), B.asarray(case.ts_w),
-                           B.asarray(case.ts), B.asarray(case.query_ts))
+    bias = B.relative_bias(layout, case.norm_len, B.AttentionBias(B.asarray(case.pos_w), B.asarray(case.ts_w),
+                                                                  B.asarray(case.ts), B.asarray(case.query_ts)))
     torch.testing.assert_close(kw["attn_bias"][:, 0], bias[[0, 2]], rtol=0, atol=0)
 
 

@@ -1,5 +1,6 @@
-"""Probes and kernel selection: torch_npu_status, mxrec_status, select_hstu_attention, and the
-npu backend failing loudly with the probe's reason.
+"""Probes and kernel selection: torch_npu_status, mxrec_status, the npu kernels of the registry
+(backends/kernels.py: "mxrec", "triton", "auto"), and the npu backend failing loudly with the
+probe's reason.
 
 Provenance: this host (no torch_npu) for the real probe; injected imports (mock_wiring) and one
 subprocess with a stand-in ``torch_npu`` package for the failure modes of a broken install.
@@ -69,27 +70,48 @@ def test_import_loads_no_vendor_module():
 
 
 # ------------------------------------------------------------------------------ selection
-def test_select_unknown_kind_lists_kinds():
-    with pytest.raises(ValueError) as info:
-        npu_ops.select_hstu_attention("cuda")
-    for kind in npu_ops.HSTU_KERNELS:
-        assert kind in str(info.value)
+class _StandInNpu:
+    """What a kernel build reads of an NpuBackend (which cannot be created here)."""
+
+    name, dtype_name, device_kind = "npu", "float32", "npu"
+
+
+def _build_npu_kernel(kind):
+    from backends import kernels
+
+    return kernels.build(_StandInNpu(), kind)
+
+
+def test_unknown_npu_kernel_lists_the_kinds():
+    from gr_functional.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _build_npu_kernel("cuda")
+    for kind in ("default", "auto", "mxrec", "triton", "reference"):
+        assert repr(kind) in str(info.value)
+
+
+def test_npu_default_kernel_is_auto():
+    from backends import kernels
+
+    assert kernels.default_kernel("npu") == "auto"
 
 
 def test_select_triton_needs_triton_ascend():
     # upstream triton is installed here, not triton-ascend: the npu backend must refuse it
-    with pytest.raises(npu_ops.UnsupportedOnBackend, match="not triton-ascend"):
-        npu_ops.select_hstu_attention("triton")
+    with pytest.raises(backends.BackendUnavailable, match="attention kernel 'triton' cannot run here.*not triton-ascend"):
+        _build_npu_kernel("triton")
 
 
 def test_select_mxrec_gives_the_reason():
-    with pytest.raises(npu_ops.UnsupportedOnBackend, match="'mxrec' is unavailable.*torch_npu is not installed"):
-        npu_ops.select_hstu_attention("mxrec")
+    with pytest.raises(backends.BackendUnavailable, match="'mxrec' is unavailable.*torch_npu is not installed"):
+        _build_npu_kernel("mxrec")
 
 
 def test_select_auto_gives_both_reasons():
-    with pytest.raises(npu_ops.UnsupportedOnBackend) as info:
-        npu_ops.select_hstu_attention()
+    with pytest.raises(backends.BackendUnavailable) as info:
+        _build_npu_kernel("default")
+    assert "'auto'" in str(info.value)
     assert "torch_npu is not installed" in str(info.value) and "triton" in str(info.value)
 
 

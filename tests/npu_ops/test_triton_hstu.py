@@ -228,17 +228,18 @@ def test_compiles_with_aot_autograd():
 
 
 def test_backend_adapter_signature():
-    """TritonHstuAttention takes Backend.hstu_attention's arguments (layout + bias params)."""
+    """TritonHstuAttention takes Backend.hstu_attention's arguments (layout + AttentionBias), and
+    ``attend`` the registry's kernel signature."""
     case = _case("batch_of_one", "pos+time")
     B = backends.get_backend("torch", device=DEVICE)
     layout = B.asarray_tree(case.layout)
     a = {name: B.asarray(np.asarray(getattr(case, name), np.float32)) for name in ("q", "k", "v", "pos_w", "ts_w")}
-    ts, qts = B.asarray(case.ts), B.asarray(case.query_ts)
+    bias = B.AttentionBias(pos_w=a["pos_w"], ts_w=a["ts_w"], ts=B.asarray(case.ts), query_ts=B.asarray(case.query_ts))
+    want = B.hstu_attention(a["q"], a["k"], a["v"], layout, case.norm_len, bias)
     for adapter in (th.TritonHstuAttention(), th.TritonHstuAttention(use_custom_op=False, config=SMALL_SEPARATE)):
-        out = adapter(a["q"], a["k"], a["v"], layout, case.norm_len, a["pos_w"], a["ts_w"], ts, qts)
-        want = B.hstu_attention(a["q"], a["k"], a["v"], layout, case.norm_len, pos_w=a["pos_w"], ts_w=a["ts_w"],
-                                ts=ts, query_ts=qts)
-        assert rel_err(out.cpu().numpy(), want.cpu().numpy()) <= FWD_TOL
+        for out in (adapter(a["q"], a["k"], a["v"], layout, case.norm_len, bias),
+                    adapter.attend(B, a["q"], a["k"], a["v"], layout, case.norm_len, bias)):
+            assert rel_err(out.cpu().numpy(), want.cpu().numpy()) <= FWD_TOL
 
 
 # ------------------------------------------------------------------------------ dtypes, edge cases, errors
@@ -328,7 +329,7 @@ for bias in (False, True):
 
 
 @pytest.mark.skipif(not compat.is_triton_ascend(),
-                    reason="needs triton-ascend (a separate venv: it replaces triton), see npu_ecosystem.md §4.2")
+                    reason="needs triton-ascend (a separate venv: it replaces triton), see npu_ops/README.md")
 def test_ascend_lowering_static(tmp_path):
     """Provenance: ascend_lowering. triton-ascend's frontend + Ascend adapter passes (ttir -> ttadapter)
     accept every kernel variant; no CANN, so nothing past ttadapter (bishengir, UB size) is checked."""

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # 80 synthetic users -> 80 training users; batch 16 -> 5 steps per epoch.
 TINY = ["data.synthetic_users=80", "data.synthetic_items=150", "data.synthetic_max_events=30",
-        "model.max_len=16", "model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.num_negatives=8",
+        "model.max_len=16", "model.embed_dim=16", "model.dqk=8", "model.dv=8", "loss.num_negatives=8",
         "train.epochs=3", "train.batch_size=16", "train.log_every=1", "eval.batch_size=64"]
 
 

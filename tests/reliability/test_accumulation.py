@@ -9,7 +9,7 @@ import pytest
 
 from backends import get_backend
 from gr_functional import model
-from gr_functional.batch import HSTUBatch, make_batch
+from gr_functional.batch import HSTUBatch, Negatives, make_batch
 from gr_functional.config import Config, ModelConfig, OptimConfig
 from gr_functional.jagged import Jagged
 from gr_functional.train import accumulate, finish, init_opt_state, make_train_step, micro_grads, train_step
@@ -18,7 +18,8 @@ from gr_functional.tree import tree_items
 from ..differential.common import FWD_TOL, GRAD_TOL, rel_err
 
 MODEL = ModelConfig(num_items=120, embed_dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, max_len=12,
-                    num_negatives=8, input_dropout=0.2, linear_dropout=0.2)
+                    input_dropout=0.2, linear_dropout=0.2)
+NEGATIVES = Negatives("sampled", 8)
 CFG = Config(model=MODEL, optim=OptimConfig(lr=1e-3, weight_decay=0.01))
 # events per user of each micro-batch: very different token counts (2..13 events -> 1..12 tokens),
 # so a plain mean of the micro-batch losses would be visibly wrong
@@ -32,7 +33,7 @@ def micro_batches(seed=0):
         histories = [rng.integers(1, MODEL.num_items + 1, n) for n in events]
         times = [np.cumsum(rng.integers(0, 10**5, n)) + 10**9 for n in events]
         # one capacity for all (and for the concatenation): JAX compiles each program once
-        out.append(make_batch(histories, times, MODEL, rng=rng, b_cap=8, t_cap=64))
+        out.append(make_batch(histories, times, MODEL, rng=rng, b_cap=8, t_cap=64, negatives=NEGATIVES))
     return out
 
 

@@ -97,7 +97,7 @@ CORPUS = {
     "bad_max_bad_steps": (None, ["train.max_bad_steps=-1"], ["--set train.max_bad_steps=-1: must be >= 0"]),
     # [hardening]: every value range-checked at parse time, errors name the --set, not the file
     "lr_nan": (None, ["optim.lr=nan"], ["--set optim.lr=nan: must be a finite number >= 0"]),
-    "temperature_zero": (None, ["model.temperature=0"], ["--set model.temperature=0: must be > 0"]),
+    "temperature_zero": (None, ["loss.temperature=0"], ["--set loss.temperature=0: must be > 0"]),
     "kernel_flash": (None, ["backend.hstu_kernel=flash"], ["--set backend.hstu_kernel=flash", "'jagged'"]),
     "dtype_int8": (None, ["backend.dtype=int8"], ["--set backend.dtype=int8", "'float32', 'float64'"]),
     "max_len_zero": (None, ["model.max_len=0"], ["--set model.max_len=0: must be >= 1"]),

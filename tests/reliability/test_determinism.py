@@ -25,7 +25,7 @@ def _one_step(seed):
     torch.manual_seed(seed)
     data = leave_one_out(make_synthetic(40, CFG.num_items, 20, 1.05, 0)).train
     loader = TrainLoader(data, CFG, batch_size=8, seed=3)
-    batching.load_state_dict({"epoch": 2, "step": 1})
+    loader.load_state_dict({"epoch": 2, "step": 1})
     batch = next(iter(loader))
     B = get_backend("torch")
     cfg = Config(model=CFG)

@@ -371,7 +371,7 @@ def test_read_only_folder_is_a_write_failure_even_for_the_lock(tmp_path, capsys,
 
 @pytest.mark.parametrize("extra,advice", [
     (["train.max_update_ratio=1e-12"], "train.max_update_ratio=1e-12 is below the size of a normal step"),
-    (["model.temperature=1e-30"], "Check model.temperature=1e-30"),
+    (["loss.temperature=1e-30"], "Check loss.temperature=1e-30"),
 ])
 def test_abort_advice_names_the_cause(tmp_path, capsys, extra, advice):
     assert main(_args(tmp_path, "train.epochs=1", "train.max_bad_steps=2", *extra)) == 3

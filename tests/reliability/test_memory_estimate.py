@@ -1,5 +1,5 @@
 """Resource checks that run before a run allocates or writes anything (README "Bad inputs"):
-``model.num_negatives`` against the catalogue, the memory estimate of ``gr_functional.memory``
+``loss.num_negatives`` against the catalogue, the memory estimate of ``gr_functional.memory``
 against the memory available, and the data rules (sparse ids, negative timestamps) end to end
 through ``grf train``: exit 2, a message naming the file/line or key and the fix, and OUT
 untouched (byte-identical when it holds a finished run, not created otherwise)."""
@@ -90,26 +90,26 @@ def test_negative_timestamp_is_refused_naming_the_line(finished_run, tmp_path, c
     assert f"{data}:7: timestamp -5 is negative; timestamps are unix seconds" in err
 
 
-# ------------------------------------------------------------------------------ model.num_negatives
+# ------------------------------------------------------------------------------ loss.num_negatives
 def test_num_negatives_beyond_the_catalogue_is_refused_before_allocation(finished_run, tmp_path, capsys,
                                                                          monkeypatch):
     _, out, good = finished_run
     _no_allocation(monkeypatch)
     num_items = max(r[1] for r in ratings())
     for target in (out, tmp_path / "new"):
-        err = _refused(train_args(target, good, "model.num_negatives=100000"), target, capsys)
-        assert f"model.num_negatives=100000 is more than the {num_items} items negatives are sampled from" in err
-        assert f"model.num_items={num_items}" in err and f"Set model.num_negatives <= {num_items}" in err
+        err = _refused(train_args(target, good, "loss.num_negatives=100000"), target, capsys)
+        assert f"loss.num_negatives=100000 is more than the {num_items} items negatives are sampled from" in err
+        assert f"model.num_items={num_items}" in err and f"Set loss.num_negatives <= {num_items}" in err
 
 
 def test_fault_campaign_case_quickstart_with_100000_negatives(tmp_path, capsys, monkeypatch):
     """The campaign's run: 100,000 negatives on the quickstart's 3,000 items grew to 15 GB."""
     _no_allocation(monkeypatch)
     out = tmp_path / "q"
-    args = ["train", "--config", "quickstart", "--quiet", "--out", str(out), "--set", "model.num_negatives=100000"]
+    args = ["train", "--config", "quickstart", "--quiet", "--out", str(out), "--set", "loss.num_negatives=100000"]
     start = time.perf_counter()
     err = _refused(args, out, capsys)
-    assert "model.num_negatives=100000 is more than the 3,000 items" in err
+    assert "loss.num_negatives=100000 is more than the 3,000 items" in err
     assert time.perf_counter() - start < 10.0
 
 
@@ -133,13 +133,13 @@ def _quickstart(*sets, backend="torch"):
 
 
 def test_negatives_dominated_run_names_model_num_negatives(monkeypatch):
-    cfg, data = _quickstart("model.num_negatives=3000")
+    cfg, data = _quickstart("loss.num_negatives=3000")
     monkeypatch.setenv(memory.ENV_LIMIT, "2e9")
     with pytest.raises(ConfigError) as err:
         memory.check_fits(cfg, data)
-    assert str(err.value).startswith("model.num_negatives=3000: the sampled-softmax negatives need ~1.6 GB "
+    assert str(err.value).startswith("loss.num_negatives=3000: the sampled-softmax negatives need ~1.6 GB "
                                      "(per batch: T=16,384 tokens x 3,000 negatives x 32 B)")
-    assert "lower model.num_negatives or train.batch_size" in str(err.value)
+    assert "lower loss.num_negatives or train.batch_size" in str(err.value)
     monkeypatch.setenv(memory.ENV_LIMIT, "20e9")
     memory.check_fits(cfg, data)  # fits a 20 GB machine
 
@@ -235,7 +235,7 @@ def test_the_estimate_bounds_a_measured_peak(tmp_path):
     """A real quickstart-size run, negatives-heavy: the RSS it adds after the check stays below the
     estimate, and the estimate is within 5x of it (an order-of-magnitude-right upper bound)."""
     args = ["train", "--config", "quickstart", "--quiet", "--out", str(tmp_path / "q"),
-            "--set", "data.synthetic_users=300", "--set", "model.num_negatives=2000", "--set", "train.max_steps=2",
+            "--set", "data.synthetic_users=300", "--set", "loss.num_negatives=2000", "--set", "train.max_steps=2",
             "--set", "train.batch_size=64", "--set", "eval.max_users=64"]
     proc = subprocess.run([sys.executable, "-c", _MEASURE, *args], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)

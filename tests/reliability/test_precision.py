@@ -28,7 +28,7 @@ from gr_functional.train import init_opt_state, make_train_step, micro_grads
 from gr_functional.tree import tree_items
 
 from ..differential.common import rel_err
-from ..differential.test_model import BATCH_CASES, CFG
+from ..differential.test_model import BATCH_CASES, CFG, NEGATIVES
 
 TOL = {"bf16": {"loss": 1e-2, "grad": 0.1, "cos": 0.999},
        "fp16": {"loss": 3e-3, "grad": 2e-2, "cos": 0.9999}}
@@ -47,7 +47,8 @@ def fixed_cap_batch(case, seed):
     rng = np.random.default_rng(seed)
     histories = [rng.integers(1, CFG.num_items + 1, n) for n in events]
     times = [np.cumsum(rng.integers(0, 10**6, n)) + 10**9 for n in events]
-    return make_batch(histories, times, CFG, rng=rng, num_items=CFG.num_items, b_cap=8, t_cap=64)
+    return make_batch(histories, times, CFG, rng=rng, num_items=CFG.num_items, b_cap=8, t_cap=64,
+                      negatives=NEGATIVES)
 
 
 def _cosine(a: dict, b: dict) -> float:

@@ -1,0 +1,244 @@
+"""Datasets by name: each dataset is one ``DatasetSpec`` registered once, in the module that reads it.
+
+``[data] dataset = NAME`` (a plain string, checked against this registry when the config is
+built) picks the spec; ``load_dataset(cfg.data)`` calls its ``load``; ``dataset_path``,
+``dataset_label``, ``grf data fetch`` and ``grf data info`` read its file layout, label and
+download from the same entry. The shipped datasets live in ``gr_functional/data/sources/``
+(``synthetic``, ``movielens``: ml-1m and ml-20m, ``kuairand``, ``interactions``: csv, your own
+file); the first use of the registry imports them, so they are always registered.
+
+A dataset of your own is one module with one entry (a file passed to ``grf train --plugin``,
+saved in ``train.plugins``, or any module imported before ``load_dataset``)::
+
+    from gr_functional.data import Interactions
+    from gr_functional.data.registry import DatasetSpec, register_dataset
+
+    def load_clicks(cfg, path):                     # cfg: DataConfig, path: the resolved file
+        user, item, time = ...                      # [N] int64 each, time in unix seconds
+        return Interactions(user=user, item=item, time=time, name="Clicks", source=str(path))
+
+    register_dataset(DatasetSpec("clicks", "Clicks", load_clicks, layout=("clicks/log.csv",),
+                                 how_to_get="export the click log to that path"))
+
+and ``--set data.dataset=clicks`` trains on it. ``load`` returns ``Interactions`` (the registry
+groups them into per-user sequences with ``from_interactions``, honouring ``data.remap_items``)
+or a finished ``SequenceData``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError, DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class Download:
+    """Where ``grf data fetch NAME`` downloads a dataset from: a zip archive with a published MD5.
+
+    ``folder``/``main`` is the file the download must produce under the data dir (the dataset's
+    ``layout[0]``); the archive's files directly under ``zip_prefix`` are unpacked flat into
+    ``folder``. ``publisher`` and ``md5_url`` name who publishes the checksum and where, for the
+    error on a mismatch ("" = the URL's host / not said).
+    """
+
+    url: str
+    md5: str          # hex digest, as published beside the archive
+    folder: str       # under the data dir
+    zip_prefix: str   # folder inside the archive
+    main: str         # the file dataset_path() looks for
+    approx_mb: int
+    publisher: str = ""
+    md5_url: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """A named file under the data dir: ``layout`` holds candidate paths relative to it, in order
+    of preference; ``how_to_get`` completes "To get it, ..." when none exists. Files that no
+    dataset loads by default (KuaiRand-27K's per-user lengths) are registered with
+    ``register_file``; a dataset's default file is registered with it."""
+
+    name: str
+    label: str
+    layout: tuple[str, ...]
+    how_to_get: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset ``[data] dataset = name`` can select.
+
+      name         the config value, e.g. "ml-1m"
+      label        what results tables call the data read from the default file, e.g. "ML-1M"
+      load         ``load(cfg: DataConfig, path: Path | None) -> Interactions | SequenceData``;
+                   ``path`` is the resolved file (``data.path``, else the default file), None when
+                   ``needs_file`` is false
+      layout       default file: candidate paths under the data dir, in order of preference
+                   (empty: the file must be named by ``data.path``)
+      how_to_get   how to obtain the default file (completes "To get it, ...")
+      default_file file name looked for when ``data.path`` is a folder ("" = a folder is an error)
+      download     what ``grf data fetch NAME`` downloads (None: not downloadable)
+      needs_file   false for generated data (synthetic): no path is resolved
+      file_name    the name ``dataset_path`` knows the default file by ("" = ``name``)
+      label_for    label of the data read from a given file (e.g. the reconstructed ML-1M copy);
+                   None = ``label`` whatever the file
+    """
+
+    name: str
+    label: str
+    load: Callable  # (cfg: DataConfig, path: Path | None) -> Interactions | SequenceData
+    layout: tuple[str, ...] = ()
+    how_to_get: str = ""
+    default_file: str = ""
+    download: Download | None = None
+    needs_file: bool = True
+    file_name: str = ""
+    label_for: Callable[[Path], str] | None = None
+
+    def __post_init__(self):
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"DatasetSpec name must be a non-empty string, got {self.name!r}")
+        if not callable(self.load):
+            raise ValueError(f"DatasetSpec {self.name!r}: load must be callable, got {self.load!r}")
+        if isinstance(self.layout, str):  # ("a.csv") is a string, not a 1-tuple: a common slip
+            raise ValueError(f"DatasetSpec {self.name!r}: layout must be a tuple of paths, e.g. ({self.layout!r},)")
+        if self.download is not None and not self.layout:
+            raise ValueError(f"DatasetSpec {self.name!r}: a download needs a layout (where the file lands)")
+
+    @property
+    def file(self) -> DataFile | None:
+        """The default file as a ``DataFile`` (None when the dataset has no layout)."""
+        if not self.layout:
+            return None
+        return DataFile(self.file_name or self.name, self.label, tuple(self.layout), self.how_to_get)
+
+
+_DATASETS: dict[str, DatasetSpec] = {}
+_FILES: dict[str, DataFile] = {}
+# The shipped datasets register themselves when their modules are imported, which happens on the
+# first use of this registry, in this order (the order of names()): imported here at module level,
+# they would import this module back while it is half-built (tests/test_layering.py).
+_SHIPPED = ("synthetic", "movielens", "kuairand", "interactions")
+_shipped_loaded = False
+
+
+def _load_shipped() -> None:
+    global _shipped_loaded
+    if _shipped_loaded:
+        return
+    _shipped_loaded = True  # first: each module's register_dataset call comes back here
+    import importlib
+    for module in _SHIPPED:
+        importlib.import_module(f"{__package__}.sources.{module}")
+
+
+def _same_loader(a: Callable, b: Callable) -> bool:
+    """A module imported twice (a plugin run as a script and imported) registers an equal function."""
+    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+    return a is b or key(a) == key(b)
+
+
+def register_dataset(spec: DatasetSpec, *, replace: bool = False) -> DatasetSpec:
+    """Register ``spec`` under ``spec.name`` (and its default file under ``file_name or name``).
+
+    Registering a taken name raises ``ValueError`` unless ``replace=True`` or the same loader is
+    registered again (a module imported twice). Returns ``spec``.
+    """
+    _load_shipped()  # the shipped datasets come first in names()
+    old = _DATASETS.get(spec.name)
+    if old is not None and not (replace or _same_loader(old.load, spec.load)):
+        raise ValueError(f"a dataset named {spec.name!r} is already registered (loader "
+                         f"{old.load.__module__}.{old.load.__qualname__}); pick another name or pass replace=True")
+    _DATASETS[spec.name] = spec
+    if spec.file is not None:
+        _FILES[spec.file.name] = spec.file
+    return spec
+
+
+def dataset(name: str, label: str, **fields) -> Callable:
+    """Decorator form of ``register_dataset``: ``@dataset("clicks", "Clicks", layout=(...))`` over
+    the ``load(cfg, path)`` function registers it (other ``DatasetSpec`` fields as keywords;
+    ``replace=True`` passes through)."""
+    replace = fields.pop("replace", False)
+
+    def add(load: Callable) -> Callable:
+        register_dataset(DatasetSpec(name, label, load, **fields), replace=replace)
+        return load
+
+    return add
+
+
+def register_file(file: DataFile, *, replace: bool = False) -> DataFile:
+    """Register a file under the data dir that no dataset loads by default (``dataset_path`` finds it)."""
+    _load_shipped()
+    old = _FILES.get(file.name)
+    if old is not None and old != file and not replace:
+        raise ValueError(f"a data file named {file.name!r} is already registered ({old.layout[0]}); "
+                         f"pick another name or pass replace=True")
+    _FILES[file.name] = file
+    return file
+
+
+def names() -> tuple[str, ...]:
+    """Registered dataset names, in registration order (the shipped ones first)."""
+    _load_shipped()
+    return tuple(_DATASETS)
+
+
+def file_names() -> tuple[str, ...]:
+    """Names of the registered data files (``dataset_path`` accepts these), in registration order."""
+    _load_shipped()
+    return tuple(_FILES)
+
+
+def _did_you_mean(name: str, known) -> str:
+    near = difflib.get_close_matches(str(name), list(known), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def unknown_message(name: str) -> str:
+    """Why ``name`` is not a dataset, the registered names and how to add one (for ``ConfigError``)."""
+    _load_shipped()
+    return (f"no dataset named {name!r} is registered{_did_you_mean(name, _DATASETS)}; registered: "
+            f"{', '.join(map(repr, _DATASETS))}. Your own interactions file: data.dataset=\"csv\" with "
+            f"data.path=FILE (README \"Your own data\"); your own loader: "
+            f"gr_functional.data.registry.register_dataset(DatasetSpec({name!r}, ...)) in a module "
+            f"passed to grf train --plugin")
+
+
+def get_dataset(name: str) -> DatasetSpec:
+    """The registered dataset ``name``, or ``ConfigError`` with a did-you-mean and the registered names."""
+    _load_shipped()
+    try:
+        return _DATASETS[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"data.dataset={name!r}: {unknown_message(name)}") from None
+
+
+def get_file(name: str) -> DataFile:
+    """The data file ``name``: a registered file, else the default file of dataset ``name``;
+    ``DataError`` listing the known files otherwise."""
+    _load_shipped()
+    if name in _FILES:
+        return _FILES[name]
+    spec = _DATASETS.get(name)
+    if spec is not None and spec.file is not None:
+        return _FILES.get(spec.file.name, spec.file)
+    raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(_FILES)}")
+
+
+def downloadable() -> tuple[str, ...]:
+    """Names of the datasets ``grf data fetch`` can download."""
+    _load_shipped()
+    return tuple(n for n, s in _DATASETS.items() if s.download is not None)
+
+
+def set_download(name: str, download: Download | None) -> None:
+    """Replace (or remove, with None) the download of the registered dataset ``name`` (a mirror,
+    or a test's fake archive)."""
+    spec = get_dataset(name)
+    _DATASETS[name] = dataclasses.replace(spec, download=download)
+

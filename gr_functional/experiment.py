@@ -1,0 +1,94 @@
+"""From a config to real batches in one call: the public entry point of an experiment script.
+
+    import gr_functional as grf
+
+    exp = grf.prepare("ml1m_hstu", ["train.batch_size=32"])   # data read, split, checked
+    B = exp.backend()                                          # the backend of cfg.backend
+    params = B.asarray_tree(exp.init_params())
+    for batch in exp.batches(epoch=0):                         # HSTUBatch (numpy) of real users
+        loss = grf.model.loss_fn(B, params, B.asarray_tree(batch), exp.cfg.model, loss=exp.cfg.loss)
+    exp.evaluate(B, params, split="valid")                     # {"hr@10": ..., "ndcg@10": ..., ...}
+
+The batches are exactly the ones ``grf train`` trains on with the same config (same users, order,
+negatives of ``loss.name`` and dropout masks); ``grf.fit(exp.cfg, out)`` runs the whole loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+from .batch import HSTUBatch
+from .config import Config, load_config
+
+
+@dataclasses.dataclass
+class Experiment:
+    """A config resolved against its data (``model.num_items`` filled in), the data, its
+    leave-one-out split and the training loader (``data.batching.TrainLoader``)."""
+
+    cfg: Config
+    data: object     # data.SequenceData
+    splits: object   # data.Split: train / valid / test
+    loader: object   # data.batching.TrainLoader over splits.train
+
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[HSTUBatch]:
+        """The training batches of ``epoch`` from batch ``start`` on (numpy; ``B.asarray_tree``
+        moves one to a backend). Random access, does not move the loader's position."""
+        for step in range(start, self.loader.steps_in_epoch(epoch)):
+            yield self.loader.batch(epoch, step)
+
+    def backend(self, name: str | None = None, device: str | None = None):
+        """The backend ``cfg.backend`` names (kernel, dtype, determinism applied), or backend
+        ``name`` with the same dtype and precision and its default kernel."""
+        from .config import replace
+        from .runner import make_backend
+
+        cfg = self.cfg
+        if name is not None and name != cfg.backend.name:
+            cfg = replace(cfg, backend={"name": name, "hstu_kernel": "default", "device": ""})
+        return make_backend(cfg, device)
+
+    def init_params(self, seed: int | None = None) -> dict:
+        """Fresh parameters (numpy), as ``grf train`` initialises them (``train.seed`` by default)."""
+        from . import model
+
+        return model.init_params(self.cfg.model, seed=self.cfg.train.seed if seed is None else seed)
+
+    def evaluate(self, B, params, split: str = "valid") -> dict:
+        """HR@K / NDCG@K / MRR (``eval.ks``) of ``params`` on the ``valid`` or ``test`` split,
+        full-catalogue ranking as ``grf train`` evaluates."""
+        from .runner import evaluate
+
+        return evaluate(B, params, self.cfg, getattr(self.splits, split), self.data.candidates)
+
+
+def prepare(config: Config | str | Path | None = None, overrides: list = (), plugins: list = ()) -> Experiment:
+    """An ``Experiment`` from a ``Config``, or a TOML path / packaged config name (``"quickstart"``,
+    ``"ml1m_hstu"``) with ``--set``-style ``overrides``; None = the defaults. Data errors are
+    ``DataError`` and config errors ``ConfigError``, with the messages ``grf train`` prints."""
+    from .data import batching, split as split_mod
+    from .memory import check_negatives
+    from .plugins import import_plugins
+    from .runner import check_data, load_sequences, resolve, validate
+
+    if isinstance(config, Config):
+        if overrides:
+            raise TypeError("prepare(Config, overrides): change a Config with gr_functional.config.replace(cfg, "
+                            "model={...}); overrides apply to a config file or name")
+        import_plugins([*config.train.plugins, *plugins])
+        cfg = config
+        validate(cfg)
+    else:
+        path = None
+        if config is not None:
+            from .cli import _config_path
+
+            path = _config_path(str(config))
+        cfg = load_config(path, list(overrides), plugins=list(plugins))
+    data = load_sequences(cfg)
+    cfg = resolve(cfg, data)
+    splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
+    check_data(data, splits)
+    check_negatives(cfg)
+    return Experiment(cfg, data, splits, batching.TrainLoader.from_config(splits.train, cfg))

@@ -1,0 +1,447 @@
+"""The training loop's seams: how a step runs (``LocalSteps`` / ``RankSteps``), the collective of a
+one-process run (``LocalComm``), and the hooks called after every step and at every epoch end.
+
+``runner._train_loop`` is a short loop over steps; everything a step or an epoch end does beyond
+the update itself (logging, timing, the bad-step policy, checkpoints, evaluation, distributed
+sync, TensorBoard) is a ``Hook``. A hook of one's own subclasses ``Hook`` and is passed to
+``runner.train(..., hooks=[...])``; it sees the ``Run`` (config, backend, state, logs) and each
+``StepResult``. Hooks run in list order; the built-in ones come first, so the files they write
+are the same with or without extra hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .config import Config
+
+
+class LocalComm:
+    """The collective of a one-process run: rank 0 of 1, every exchange the identity, so the loop
+    has one path for one process and for N (``backends.dist_torch.TorchCollective``)."""
+
+    world_size = 1
+    rank = 0
+    is_main = True
+    backend = "local"
+
+    def __init__(self):
+        self.step = 0
+
+    def progress(self, phase: str) -> None:
+        pass
+
+    def post(self, tag: str) -> None:
+        pass
+
+    def wait_for(self, tag: str) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def fail(self, message: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One optimizer step as the hooks see it: ``metrics`` of ``train.train_step`` (loss, finite,
+    ...), ``tokens`` (input tokens of the global step, as a one-process run counts them) and, in
+    a data-parallel run, ``rank_tokens`` (per rank) and ``rank_compute_s`` (forward+backward
+    seconds per rank)."""
+
+    step: int
+    epoch: int
+    metrics: dict
+    tokens: int
+    rank_tokens: list | None = None
+    rank_compute_s: np.ndarray | None = None
+
+    @property
+    def finite(self) -> bool:
+        return bool(self.metrics["finite"])
+
+
+# ----------------------------------------------------------------------------- bad steps
+RESTART = ("to restart from it, rerun the same grf train command (same --out) with the cause fixed (e.g. "
+            "--set optim.lr=1e-4): it resumes from that checkpoint")
+
+
+def advice(reason: str, cfg: Config) -> str:
+    """What to change after bad steps, by the last one's reason (``bad_step``) and the config."""
+    ratio = cfg.train.max_update_ratio
+    if reason.startswith("exploding update"):
+        if ratio < 0.05:  # below what a healthy step moves (GR's ML-1M recipe: 0.006-0.03)
+            return (f"train.max_update_ratio={ratio:g} is below the size of a normal step (about 0.01-0.03 of "
+                    f"the parameters' norm): raise it (default 1.0; 0 = no limit)")
+        return ("Lower optim.lr (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
+                "intended)")
+    suspects = ["optim.lr (a smaller one)"]
+    if cfg.loss.temperature < 1e-3:
+        suspects.insert(0, f"loss.temperature={cfg.loss.temperature:g} (logits are cosine / temperature; "
+                           f"GR uses 0.05)")
+    return (f"Check {', '.join(suspects)}, the eps keys and the data, or try backend.precision=fp32")
+
+
+def last_healthy(ckdir) -> str:
+    """``"The last healthy checkpoint is X; to restart ..."``, or how to start over without one."""
+    ck, _ = ckdir.latest_valid()
+    if ck is None:
+        return (f"No healthy checkpoint exists in {ckdir.folder}; fix the cause and rerun with --fresh to "
+                f"start over")
+    return f"The last healthy checkpoint is {ck.describe()}; {RESTART}"
+
+
+def bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
+    """``(reason, counts towards max_bad_steps)`` of a skipped step.
+
+    fp16 gradient overflows are the loss scaler's normal search for a scale (the step is skipped
+    and the scale halved), so they count only once the scale is down to 1: then even unscaled
+    gradients overflow and the model itself is blowing up."""
+    if not bool(m["loss_finite"]):
+        return "non-finite loss", True
+    if not bool(m["grads_finite"]):
+        if "loss_scale" in m:
+            scale = float(m["loss_scale"])
+            return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
+        return "non-finite gradient", True
+    if not bool(m["update_finite"]):
+        return f"non-finite update (optim.lr={cfg.optim.lr:g})", True
+    return (f"exploding update: it would move the parameters by {float(m['update_ratio']):.3g} x their norm "
+            f"(train.max_update_ratio={cfg.train.max_update_ratio:g}; optim.lr={cfg.optim.lr:g})"), True
+
+
+
+# ----------------------------------------------------------------------------- step runners
+def _groups(batches, k: int):
+    """Consecutive groups of ``k`` batches (the last group of an epoch may be shorter)."""
+    group = []
+    for b in batches:
+        group.append(b)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+class LocalSteps:
+    """Steps of a one-process run: ``train.accumulate`` loader batches per optimizer step."""
+
+    def __init__(self, B, cfg: Config, loader):
+        from .train import make_train_step
+
+        self.B, self.loader, self.k = B, loader, cfg.train.accumulate
+        self.fn = make_train_step(B, cfg)
+
+    def batches(self, epoch: int, start: int):
+        return _groups(self.loader.epoch(epoch, start), self.k)
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        dev = [self.B.asarray_tree(b) for b in micro]
+        params, opt_state, m = self.fn(params, opt_state, dev if self.k > 1 else dev[0])
+        return params, opt_state, StepResult(step, epoch, m, sum(b.layout.num_tokens() for b in micro))
+
+
+class RankSteps:
+    """Steps of one rank of a data-parallel run: its share of each global batch; gradients are
+    all-reduced inside the step (``train.make_dist_train_step``)."""
+
+    def __init__(self, B, cfg: Config, loader, comm):
+        from .train import make_dist_train_step
+
+        self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
+        self.fn = make_dist_train_step(B, cfg, comm)
+
+    def batches(self, epoch: int, start: int):
+        # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
+        return _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact"), self.k)
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        self.comm.step = step
+        self.comm.progress("step")
+        dev = [self.B.asarray_tree(rb.batch) for rb in micro]
+        params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
+                                       sum(rb.global_tokens for rb in micro))
+        return params, opt_state, StepResult(
+            step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),  # global, as one process counts
+            rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
+            rank_compute_s=np.asarray(m["rank_compute_s"]))
+
+
+def make_steps(B, cfg: Config, loader, comm):
+    """The step runner of this process: one place chooses between one process and one rank."""
+    return LocalSteps(B, cfg, loader) if comm.world_size == 1 else RankSteps(B, cfg, loader, comm)
+
+
+@dataclasses.dataclass
+class Run:
+    """What hooks see of the running training: read it, do not replace its fields (the loop
+    owns them). ``save(reason, epoch)`` writes a checkpoint of the current state (rank 0; None
+    elsewhere); ``echo(text)`` prints beside the progress bar (rank 0)."""
+
+    cfg: Config
+    out: Path
+    B: Any
+    comm: Any
+    state: Any               # runner.RunState
+    log: Any                 # metrics.jsonl (runner.JsonLog; counts lines on every rank)
+    timing: Any              # timing.jsonl
+    loader: Any              # data.batching.TrainLoader
+    save: Callable
+    echo: Callable
+    bar: Any
+    params: Any = None
+    opt_state: Any = None
+    epoch: int = 0
+    # this epoch so far: input tokens, start time, per-rank compute sums (data-parallel)
+    epoch_tokens: int = 0
+    epoch_start: float = 0.0
+    rank_sum: np.ndarray | None = None
+    step_max: float = 0.0
+    step_mean: float = 0.0
+    run_start: float = 0.0
+    last_epoch: bool = False  # the epoch ending is the run's last (train.epochs or max_steps)
+
+    @property
+    def is_main(self) -> bool:
+        return self.comm.is_main
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.epoch_tokens / max(time.perf_counter() - self.epoch_start, 1e-9)
+
+    def stopping(self) -> bool:
+        """The step limit (``train.max_steps``) is reached."""
+        return bool(self.cfg.train.max_steps and self.state.step >= self.cfg.train.max_steps)
+
+
+class Hook:
+    """A training-loop extension; override what you need. ``on_epoch_start(run)`` before an
+    epoch's first step, ``on_step(run, step)`` after each optimizer step, ``on_epoch_end(run,
+    record)`` once per epoch (``record``: {"epoch", "step", "loss"[, "valid", "test"]}, filled
+    by the hooks before), ``on_close(run)`` when the loop ends, normally or not."""
+
+    def on_epoch_start(self, run: Run) -> None:
+        pass
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        pass
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        pass
+
+    def on_close(self, run: Run) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------- built-in hooks
+class Throughput(Hook):
+    """Counts the epoch's tokens and (data-parallel) per-rank compute: first, so the hooks after
+    it read up-to-date ``run.tokens_per_s``."""
+
+    def on_epoch_start(self, run: Run) -> None:
+        run.epoch_tokens, run.epoch_start = 0, time.perf_counter()
+        run.rank_sum, run.step_max, run.step_mean = None, 0.0, 0.0
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        run.epoch_tokens += step.tokens
+        rc = step.rank_compute_s
+        if rc is not None:
+            run.rank_sum = rc if run.rank_sum is None else run.rank_sum + rc
+            run.step_max, run.step_mean = run.step_max + float(rc.max()), run.step_mean + float(rc.mean())
+
+
+class StepLog(Hook):
+    """metrics.jsonl: a train line every ``train.log_every`` steps (its wall-clock side in
+    timing.jsonl), a skip line for every skipped step."""
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        cfg, m, state = run.cfg, step.metrics, run.state
+        fp16 = cfg.backend.precision == "fp16"
+        if step.finite:
+            if step.step % cfg.train.log_every:
+                return
+            record = {"kind": "train", "step": step.step, "epoch": step.epoch, "loss": float(m["loss"]),
+                      "tokens": step.tokens}
+            if fp16:
+                record["loss_scale"] = float(m["loss_scale"])
+            run.log.write(record)
+            run.log.flush()
+            trec = {"kind": "train", "step": step.step, "tokens_per_s": run.tokens_per_s,
+                    "elapsed_s": time.perf_counter() - run.run_start}
+            if step.rank_tokens is not None:
+                trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"], wait_s=m["wait_s"],
+                            rank_tokens=step.rank_tokens)
+            run.timing.write(trec)
+            return
+        reason, _ = bad_step(m, cfg)
+        record = {"kind": "skip", "step": step.step, "epoch": step.epoch, "reason": reason,
+                  "bad_in_a_row": state.bad_in_a_row}
+        if fp16:
+            record["next_loss_scale"] = float(run.opt_state["loss_scale"]["scale"])
+        run.log.write(record)
+        run.log.flush()
+        run.echo(f"step {step.step}: skipped ({reason}); {state.bad_in_a_row} bad in a row")
+
+
+class BadStepPolicy(Hook):
+    """``train.max_bad_steps`` skipped steps in a row abort the run: an abort line, a checkpoint
+    of the last good state (the epoch's end left pending when it was its last batch), and
+    ``TrainingAborted`` naming it and what to change."""
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        from .errors import TrainingAborted
+
+        tc, state = run.cfg.train, run.state
+        if step.finite or not tc.max_bad_steps or state.bad_in_a_row < tc.max_bad_steps:
+            return
+        reason, _ = bad_step(step.metrics, run.cfg)
+        first = state.step - state.bad_in_a_row + 1
+        run.log.write({"kind": "abort", "step": state.step, "epoch": step.epoch,
+                       "reason": f"{state.bad_in_a_row} bad steps in a row", "last_good_step": first - 1})
+        if run.loader.position[0] > step.epoch:
+            state.epoch_end_pending = step.epoch  # its last batch: the resume ends the epoch
+        path = run.save("abort", step.epoch)
+        where = path if path is not None else f"{run.out / 'checkpoints'} (written by rank 0)"
+        raise TrainingAborted(
+            f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
+            f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was applied. The last "
+            f"healthy checkpoint is {where}: params and optimizer state after step {first - 1}, data position "
+            f"after the skipped batches. {advice(reason, run.cfg)}; {RESTART}")
+
+
+class ProgressBar(Hook):
+    def on_step(self, run: Run, step: StepResult) -> None:
+        if step.finite:
+            run.bar.set_postfix(epoch=step.epoch, loss=f"{float(step.metrics['loss']):.4f}",
+                                tok_s=f"{run.tokens_per_s:,.0f}")
+        run.bar.update(1)
+
+
+class IntervalCheckpoint(Hook):
+    """A checkpoint every ``train.checkpoint_every`` steps (not on an epoch's last step or the
+    run's: the epoch-end / final checkpoint follows there)."""
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        every = run.cfg.train.checkpoint_every
+        last_of_epoch = run.loader.position[0] > step.epoch
+        if every and step.step % every == 0 and not last_of_epoch and not run.stopping():
+            run.save("interval", step.epoch)
+
+
+class Evaluation(Hook):
+    """Valid and test metrics every ``train.eval_every`` epochs and after the last, on rank 0
+    (the other ranks count its two metrics.jsonl lines); non-finite scores abort (``Diverged``)."""
+
+    def __init__(self, evaluate: Callable, splits, candidates, scorer, ckdir):
+        self.evaluate, self.splits, self.candidates, self.scorer, self.ckdir = (evaluate, splits, candidates,
+                                                                                 scorer, ckdir)
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        from .errors import Diverged
+
+        epoch, state = record["epoch"], run.state
+        if not ((epoch + 1) % run.cfg.train.eval_every == 0 or run.last_epoch):
+            return
+        if not run.is_main:
+            run.log.lines += 2  # rank 0 writes the valid and test lines
+            return
+        for name in ("valid", "test"):
+            try:
+                record[name] = self.evaluate(run.B, run.params, run.cfg, getattr(self.splits, name), self.candidates,
+                                             self.scorer, on_batch=lambda: run.comm.progress("eval"))
+            except Diverged as exc:
+                run.log.write({"kind": "abort", "step": state.step, "epoch": epoch,
+                               "reason": f"non-finite {name} scores"})
+                run.log.sync()
+                raise Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
+                               f"{last_healthy(self.ckdir)}") from None
+            run.log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
+        run.log.flush()
+        loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+        run.echo(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
+                 f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
+
+
+class EpochHistory(Hook):
+    """The run state's epoch bookkeeping (saved in the checkpoint that follows)."""
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        run.state.history.append(record)
+        run.state.epoch_losses = []
+        run.state.epoch_end_pending = -1
+
+
+class EpochTiming(Hook):
+    """timing.jsonl: seconds and tokens/s of the epoch (evaluation included) and, data-parallel,
+    each rank's compute and the imbalance ``sum_steps(max) / sum_steps(mean) - 1``."""
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        erec = {"kind": "epoch", "epoch": record["epoch"], "seconds": time.perf_counter() - run.epoch_start,
+                "tokens_per_s": run.tokens_per_s}
+        if run.rank_sum is not None:
+            erec.update(rank_compute_s=[float(x) for x in run.rank_sum],
+                        imbalance=run.step_max / max(run.step_mean, 1e-12) - 1.0)
+        run.timing.write(erec)
+
+
+class EpochCheckpoint(Hook):
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        run.save("final" if run.last_epoch else "epoch", record["epoch"])
+
+
+class EpochSync(Hook):
+    """Ranks leave an epoch together; they wait on the store, not in a collective, since rank 0's
+    evaluation may take longer than ``dist.timeout_s`` (the watchdog still sees its progress)."""
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        tag = f"epoch-{record['epoch']}"
+        run.comm.post(tag) if run.is_main else run.comm.wait_for(tag)
+
+
+class TensorBoard(Hook):
+    """``train.tensorboard = true``: the train loss, tokens/s and every evaluation metric as
+    TensorBoard scalars in OUT/tensorboard (rank 0; needs the optional ``tensorboard`` package).
+    metrics.jsonl stays the exact record; this is for watching a run live."""
+
+    def __init__(self, out: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            from .errors import ConfigError
+
+            raise ConfigError(f"train.tensorboard=true needs the tensorboard package ({exc}); pip install "
+                              f"tensorboard, or set train.tensorboard=false (metrics.jsonl holds every value)") from None
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        if step.finite and step.step % run.cfg.train.log_every == 0:
+            self.writer.add_scalar("train/loss", float(step.metrics["loss"]), step.step)
+            self.writer.add_scalar("train/tokens_per_s", run.tokens_per_s, step.step)
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        for split in ("valid", "test"):
+            for key, value in record.get(split, {}).items():
+                self.writer.add_scalar(f"{split}/{key}", value, record["step"])
+        self.writer.flush()
+
+    def on_close(self, run: Run) -> None:
+        self.writer.close()
+
+
+def builtin_hooks(run_cfg: Config, out: Path, is_main: bool, evaluation: Evaluation) -> list[Hook]:
+    """The hooks every run has, in order (the files they write depend on it)."""
+    hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(), evaluation,
+             EpochHistory(), EpochTiming(), EpochCheckpoint(), EpochSync()]
+    if run_cfg.train.tensorboard and is_main:
+        hooks.append(TensorBoard(out))
+    return hooks

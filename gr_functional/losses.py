@@ -1,0 +1,153 @@
+"""Training losses: a registry of pure functions with one signature, selected by ``[loss] name``.
+
+    fn(B, user[T, D], items[N+1, D], batch: HSTUBatch, cfg: LossConfig) -> loss (0-d, float)
+
+``user`` is the model's output at every position (L2-normalised, ``model.encode``); ``items`` is the
+L2-normalised item table, the same vectors evaluation ranks against (row 0 is the padding id).
+``batch.targets[T]`` int32 names the item each position predicts (0 = no supervision) and
+``batch.weights[T]`` weights it; the loss returns the weighted mean over supervised positions
+(``softmax_nll`` does the common part). Each loss declares which negatives its batches carry
+(``batch.Negatives``: drawn on the host from the step's numpy generator, so every backend and
+every rank sees the same ones):
+
+  "sampled"   batch.negatives[T, R] int32: R uniform ids in 1..N per position (GR's sampler)
+  "in_batch"  batch.shared_negatives[R] int32: the targets of R supervised positions of the
+              (global) batch, drawn uniformly with replacement and shared by every position
+  "none"      neither
+
+A new loss is one function and one ``register`` call, from any module (an experiment script, or
+a file passed to ``grf train --plugin``)::
+
+    from gr_functional import losses
+
+    @losses.register("my_loss", negatives="sampled")
+    def my_loss(B, user, items, batch, cfg):
+        ...
+
+and ``[loss] name = "my_loss"`` selects it; the name is written to config.toml and every
+checkpoint, and a resume under another loss is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Callable
+
+from .batch import HSTUBatch, NegativeKind, Negatives
+from .config import Config, choices
+from .errors import ConfigError
+
+# A negative equal to the position's target (or the padding id) gets this logit: it drops out of
+# the softmax without a data-dependent shape (GR masks sampled collisions the same way).
+MASKED_LOGIT = -5e4
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A registered loss: ``fn`` (signature in the module docstring) and the negatives its
+    batches carry (``negatives``)."""
+
+    name: str
+    fn: Callable
+    negatives: NegativeKind = "sampled"
+    doc: str = ""
+
+
+_REGISTRY: dict[str, Loss] = {}
+
+
+def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind = "sampled",
+             replace: bool = False):
+    """Register ``fn`` as loss ``name`` (``register(name, fn)``, or ``@register(name)`` as a
+    decorator). Registering a taken name raises unless ``replace=True`` (a second import of an
+    experiment module re-registers the same function: that is allowed)."""
+    if negatives not in choices(NegativeKind):
+        raise ValueError(f"register({name!r}): negatives={negatives!r} is not one of "
+                         f"{', '.join(map(repr, choices(NegativeKind)))}")
+
+    def add(f: Callable) -> Callable:
+        old = _REGISTRY.get(name)
+        same = old is not None and (old.fn is f or (getattr(old.fn, "__module__", None), old.fn.__qualname__) ==
+                                    (getattr(f, "__module__", None), f.__qualname__))
+        if old is not None and not (replace or same):
+            raise ValueError(f"a loss named {name!r} is already registered ({old.fn.__module__}.{old.fn.__qualname__}); "
+                             f"pick another name or pass replace=True")
+        _REGISTRY[name] = Loss(name, f, negatives, (f.__doc__ or "").strip().split("\n")[0])
+        return f
+
+    return add if fn is None else add(fn)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def unknown_message(name: str) -> str:
+    near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (f"no loss named {name!r} is registered{hint}; registered: {', '.join(_REGISTRY)}. A loss of your own "
+            f"is registered with @gr_functional.losses.register({name!r}) in a module passed to grf train --plugin")
+
+
+def get(name: str) -> Loss:
+    """The registered loss ``name``, or ConfigError naming the registered ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"loss.name={name!r}: {unknown_message(name)}") from None
+
+
+def negatives_for(cfg: Config) -> Negatives:
+    """The negatives a training batch carries under ``cfg.loss``."""
+    return Negatives(get(cfg.loss.name).negatives, cfg.loss.num_negatives)
+
+
+# ----------------------------------------------------------------------------- pieces
+def softmax_nll(B, pos, neg, masked, weights):
+    """Weighted mean over positions of ``-log softmax([pos, neg])[0]``.
+
+    pos[T] positive logits, neg[T, R] negative logits, masked[T, R] bool (those negatives are left
+    out: logit ``MASKED_LOGIT``), weights[T] (0 = unsupervised). The mean divides by
+    ``max(sum(weights), 1)``, so an all-padding batch has loss 0, not NaN."""
+    xp = B.xp
+    neg = xp.where(masked, xp.full_like(neg, MASKED_LOGIT), neg)
+    logits = xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1)
+    nll = B.logsumexp(logits, axis=1) - pos
+    total = xp.sum(weights)
+    return xp.sum(nll * weights) / xp.maximum(total, xp.ones_like(total))
+
+
+def positive_logits(B, user, items, targets, temperature: float):
+    """``<user_t, items[target_t]> / temperature`` for every position: ``[T]``."""
+    return B.xp.sum(user * B.gather_table(items, targets), axis=-1) / temperature
+
+
+# ----------------------------------------------------------------------------- shipped losses
+@register("sampled_softmax", negatives="sampled")
+def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
+    """GR's sampled softmax: each position's target against its own R uniformly sampled items
+    (``batch.negatives[T, R]``), logits cosine / temperature; a negative equal to the target is
+    masked."""
+    xp = B.xp
+    pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
+    neg = B.sampled_logits(user, items, batch.negatives) / cfg.temperature                     # [T, R]
+    hit = batch.negatives == xp.reshape(batch.targets, (-1, 1))
+    return softmax_nll(B, pos, neg, hit, batch.weights)
+
+
+@register("in_batch", negatives="in_batch")
+def in_batch(B, user, items, batch: HSTUBatch, cfg):
+    """In-batch negatives with shared logits (TurboGR's intra-batch logit sharing): every position
+    is scored against the same R items, targets of other positions of the batch
+    (``batch.shared_negatives[R]``), so the negative logits are one ``[T, D] x [D, R]`` matmul
+    instead of a ``[T, R, D]`` gather. Negatives equal to the position's target, or the padding
+    id, are masked. In-batch negatives follow the item popularity of the batch (no logQ
+    correction: popular items are pushed down more than under uniform sampling)."""
+    xp = B.xp
+    shared = batch.shared_negatives                                                            # [R]
+    pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
+    neg_items = B.gather_table(items, shared)                                                  # [R, D]
+    neg = xp.matmul(user, xp.permute_dims(neg_items, (1, 0))) / cfg.temperature              # [T, R]
+    hit = xp.logical_or(xp.reshape(shared, (1, -1)) == xp.reshape(batch.targets, (-1, 1)),
+                        xp.reshape(shared, (1, -1)) == 0)
+    return softmax_nll(B, pos, neg, hit, batch.weights)
