@@ -215,6 +215,7 @@ class TorchCollective:
         self._ready_order: list[str] | None = None  # leaf paths in the order backward produced them
         self.last_backward_end = 0.0
         self.last_backward_cpu = 0.0
+        self._step_start = (0.0, 0.0)
         self.step = 0
         self._watchdog = _Watchdog(self)  # publishes this rank's first heartbeat
         self.barrier()  # every heartbeat key exists before any watchdog reads them
@@ -259,6 +260,19 @@ class TorchCollective:
         t = torch.as_tensor(np.asarray(values, dtype=np.float64), dtype=dtype, device=self.device)
         self._run("all-reduce of the loss", lambda: self._dist.all_reduce(t))
         return t.cpu().numpy().astype(np.float64)
+
+    # ------------------------------------------------------------------ step timing
+    def start_step(self) -> None:
+        """Mark the start of a step's forward+backward (wall and main-thread CPU clocks)."""
+        self._step_start = (time.perf_counter(), time.thread_time())
+
+    def step_times(self) -> tuple[float, float, float]:
+        """``(compute_s, cpu_s, wait_s)`` of the step since ``start_step``: wall and main-thread
+        CPU seconds until this rank's backward finished, and the wall seconds it then waited for
+        the gradient all-reduce (call right after the gradients are in)."""
+        t0, c0 = self._step_start
+        return (self.last_backward_end - t0, self.last_backward_cpu - c0,
+                time.perf_counter() - self.last_backward_end)
 
     # ------------------------------------------------------------------ gradients
     def value_and_grad(self, B, f: Callable, has_aux: bool = False) -> Callable:

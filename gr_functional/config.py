@@ -231,8 +231,8 @@ class BackendConfig:
     # Deterministic kernels (torch.use_deterministic_algorithms; JAX on CPU already is): a run and
     # its resumed twin then write identical metrics.jsonl files. "auto" (default): on for CPU
     # devices, where it is nearly free, off on accelerators, where torch's deterministic index
-    # backward made an ML-1M step 24x slower on an H100 (1341 vs 56 ms, profiled); "on" | "off"
-    # (TOML true / false also accepted) force it.
+    # backward is many times slower (README "Determinism"); "on" | "off" (TOML true / false also
+    # accepted) force it.
     deterministic: Deterministic = "auto"
 
 

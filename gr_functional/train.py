@@ -34,7 +34,6 @@ for fp16 ``loss_scale`` (the scale this step used).
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 
 import numpy as np
@@ -283,21 +282,20 @@ def make_dist_train_step(B, cfg: Config, comm):
     R = comm.world_size
 
     def step(params, opt_state, micro, tokens, global_tokens):
-        t0, c0 = time.perf_counter(), time.thread_time()
+        comm.start_step()
         scales = rank_scales(tokens, global_tokens, R)
         loss_part, grads = rank_grads(B, params, opt_state, list(micro), scales, cfg, vg=local_vg,
                                       last_vg=reduced_vg)
-        t_grads = time.perf_counter()
-        compute = comm.last_backward_end - t0
+        compute, cpu, wait = comm.step_times()
         row = np.zeros(1 + 2 * R)
         row[0] = float(loss_part)
         row[1 + comm.rank] = compute
-        row[1 + R + comm.rank] = comm.last_backward_cpu - c0
+        row[1 + R + comm.rank] = cpu
         row = comm.all_reduce_sum(row)
         loss = B.asarray(row[0], dtype=B.float_dtype)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
                                                   grads, cfg)
-        metrics.update(compute_s=compute, wait_s=t_grads - comm.last_backward_end,
+        metrics.update(compute_s=compute, wait_s=wait,
                        rank_compute_s=[float(x) for x in row[1:1 + R]],
                        rank_cpu_s=[float(x) for x in row[1 + R:]])
         return params, opt_state, metrics
