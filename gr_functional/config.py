@@ -204,6 +204,9 @@ class TrainConfig:
     # TensorBoard scalars (train loss, tokens/s, every evaluation metric) in OUT/tensorboard, for
     # watching a run live; needs the optional tensorboard package. metrics.jsonl stays the record.
     tensorboard: bool = False
+    # Hooks added by name (gr_functional/hooks.py register_hook, from a --plugin module): called
+    # after the built-in ones at every step and epoch end, e.g. hooks = ["print_lr"].
+    hooks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,13 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
 
         if cfg.loss.name not in losses.names():
             fail("loss", "name", losses.unknown_message(cfg.loss.name))
+        from .hooks import hook_names
+
+        unknown = [h for h in cfg.train.hooks if h not in hook_names()]
+        if unknown:
+            fail("train", "hooks", f"no hook named {unknown[0]!r} is registered (registered: "
+                                   f"{', '.join(hook_names()) or 'none'}); register one with "
+                                   f"gr_functional.hooks.register_hook({unknown[0]!r}, cls) in a --plugin module")
     if registries:
         from .data import registry as datasets
 

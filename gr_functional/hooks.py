@@ -438,6 +438,31 @@ class TensorBoard(Hook):
         self.writer.close()
 
 
+# ----------------------------------------------------------------------------- named hooks
+# Hooks `grf train` can add by name (``train.hooks``), registered from a plugin module.
+_REGISTRY: dict[str, Callable[[], Hook]] = {}
+
+
+def register_hook(name: str, factory: Callable[[], Hook] | None = None):
+    """Make ``factory() -> Hook`` (a Hook subclass works) available as ``train.hooks = [name]``
+    (``register_hook(name, cls)`` or ``@register_hook(name)`` on a class). A plugin module
+    (``grf train --plugin FILE``) registers it; the name goes into config.toml."""
+    def add(f):
+        _REGISTRY[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def hook_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def named_hooks(names) -> list[Hook]:
+    """One new hook per name of ``train.hooks`` (names were checked with the config)."""
+    return [_REGISTRY[name]() for name in names]
+
+
 def builtin_hooks(run_cfg: Config, out: Path, is_main: bool, evaluation: Evaluation) -> list[Hook]:
     """The hooks every run has, in order (the files they write depend on it)."""
     hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(), evaluation,

@@ -52,7 +52,7 @@ from .memory import check_fits
 from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
 from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, advice, bad_step, builtin_hooks, last_healthy,
-                    make_steps)
+                    make_steps, named_hooks)
 from .train import init_loss_scale, init_opt_state, make_scorer
 from .tree import tree_items
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
@@ -483,8 +483,8 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     docstring): ranks other than 0 return ``{"rank": r, "steps": ...}`` and write nothing.
     Raises ``DistributedError`` (naming the rank) when a rank dies or hangs.
 
-    ``hooks``: extra ``hooks.Hook`` objects called after the built-in ones at every step and
-    epoch end (gr_functional/hooks.py).
+    ``hooks``: extra ``hooks.Hook`` objects called after the built-in ones and those named by
+    ``train.hooks``, at every step and epoch end (gr_functional/hooks.py).
     """
     from .data import batching, split as split_mod
     from .plugins import import_plugins
@@ -653,7 +653,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=params,
               opt_state=opt_state, run_start=time.perf_counter())
     evaluation = Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir)
-    hooks = [*builtin_hooks(cfg, out, main, evaluation), *extra_hooks]
+    hooks = [*builtin_hooks(cfg, out, main, evaluation), *named_hooks(cfg.train.hooks), *extra_hooks]
 
     def finished() -> bool:
         return epoch >= tc.epochs or run.stopping()

@@ -77,3 +77,29 @@ def test_tensorboard_writer_records_loss_and_metrics(tmp_path):
     train = [x for x in lines if x["kind"] == "train"]
     assert [e.step for e in acc.Scalars("train/loss")] == [x["step"] for x in train]
     assert [round(e.value, 5) for e in acc.Scalars("train/loss")] == [round(x["loss"], 5) for x in train]
+
+
+def test_grf_train_adds_a_hook_registered_by_a_plugin(tmp_path, capsys):
+    from gr_functional.cli import main
+
+    from .reliability.common import TINY, sets
+
+    plugin = tmp_path / "my_hooks.py"
+    plugin.write_text(
+        "import json\n"
+        "from gr_functional.hooks import Hook, register_hook\n\n"
+        "@register_hook('epoch_losses')\n"
+        "class EpochLosses(Hook):\n"
+        "    def on_epoch_end(self, run, record):\n"
+        "        with open(run.out / 'epoch_losses.jsonl', 'a') as f:\n"
+        "            f.write(json.dumps({'epoch': record['epoch'], 'loss': record['loss']}) + '\\n')\n")
+    out = tmp_path / "run"
+    code = main(["train", "--config", "quickstart", "--quiet", "--plugin", str(plugin), "--out", str(out),
+                 *sets(TINY + ["train.epochs=2", 'train.hooks=["epoch_losses"]'])])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (out / "epoch_losses.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1] and all(r["loss"] > 0 for r in rows)
+    assert 'hooks = ["epoch_losses"]' in (out / "config.toml").read_text()
+    assert main(["train", "--config", "quickstart", "--quiet", "--out", str(tmp_path / "other"),
+                 *sets(TINY + ['train.hooks=["nope"]'])]) == 2
+    assert "no hook named 'nope' is registered" in capsys.readouterr().err
