@@ -30,6 +30,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Deterministic = Literal["auto", "on", "off"]
 DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
+Ties = Literal["file", "shuffle"]
 
 
 def choices(literal) -> tuple[str, ...]:
@@ -76,6 +77,12 @@ class DataConfig:
     # Item ids remapped to 1..K (K distinct ids, in increasing order of the original id): for raw ids
     # that are hashes or sparse (a table of max_id + 1 rows would not fit).
     remap_items: bool = False
+    # Order of a user's events that share a timestamp (README "Data: ties"): "file" keeps the file's
+    # order (a stable sort); "shuffle" permutes each run of same-second events with a generator
+    # seeded by ties_seed (GR sorts with pandas' unstable quicksort: its tie order is arbitrary,
+    # and ML-1M's file order carries a signal: tied events tend to have increasing movie ids).
+    ties: Ties = "file"
+    ties_seed: int = _range(0, ge=0)
     # Your own interactions (dataset = "csv", path = the file; gr_functional/data/sources/
     # interactions.py): one event per line, with user, item and time columns; other columns are
     # ignored. Ids that are not all integers (strings, hashes) are mapped to dense ints.

@@ -7,7 +7,7 @@ from ..config import DataConfig
 from . import registry
 from .loaders import DataError, Interactions
 from .paths import dataset_path
-from .sequences import SequenceData, from_interactions, remap_sequence_items
+from .sequences import SequenceData, from_interactions, remap_sequence_items, shuffle_ties
 
 
 def __getattr__(name: str):
@@ -54,7 +54,8 @@ def load_dataset(cfg: DataConfig) -> SequenceData:
     movies.dat / movies.csv at evaluation; KuaiRand ids are always remapped (its video ids start
     at 0, the padding id) and with ``data.path`` empty it reads the 211-row sample; "csv" reads
     ``data.path`` with the ``data.csv_*`` keys. ``SequenceData.describe()`` is the one-line report
-    of what was loaded (users, events, item-id range, duplicates).
+    of what was loaded (users, events, item-id range, duplicates). ``data.ties = "shuffle"``
+    then permutes each user's same-second events (``sequences.shuffle_ties``).
     """
     name = cfg.dataset
     if name not in registry.names():
@@ -63,10 +64,12 @@ def load_dataset(cfg: DataConfig) -> SequenceData:
     spec = registry.get_dataset(name)
     data = spec.load(cfg, resolve_path(spec, cfg.path))
     if isinstance(data, Interactions):
-        return from_interactions(data, remap_items=cfg.remap_items)
-    if not isinstance(data, SequenceData):
+        data = from_interactions(data, remap_items=cfg.remap_items)
+    elif not isinstance(data, SequenceData):
         raise TypeError(f"dataset {name!r}: {spec.load.__module__}.{spec.load.__qualname__} returned "
                         f"{type(data).__name__}; a dataset's load returns Interactions or SequenceData")
-    if cfg.remap_items and data.raw_item_ids is None:
+    elif cfg.remap_items and data.raw_item_ids is None:
         data = remap_sequence_items(data)
+    if cfg.ties == "shuffle":
+        data = shuffle_ties(data, cfg.ties_seed)
     return data

@@ -257,6 +257,22 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
         duplicate_events=count_duplicates(user, times, raw_items))
 
 
+def shuffle_ties(data: SequenceData, seed: int) -> SequenceData:
+    """``data`` with each user's runs of equal-timestamp events in a random order drawn from
+    ``default_rng(seed)``: events keep their user and time, only the order inside a run of ties
+    changes (``data.ties = "shuffle"``). The reproducible stand-in for an unstable sort (GR's
+    pandas quicksort), whose tie order is arbitrary."""
+    n = data.num_events
+    if n == 0:
+        return data
+    user = np.repeat(np.arange(len(data.offsets) - 1), np.diff(data.offsets))
+    new_run = np.concatenate([[True], (user[1:] != user[:-1]) | (data.times[1:] != data.times[:-1])])
+    run = np.cumsum(new_run)
+    order = np.lexsort((np.random.default_rng(seed).random(n), run))  # run-major: only ties move
+    return dataclasses.replace(data, items=data.items[order], times=data.times[order],
+                               ratings=None if data.ratings is None else data.ratings[order])
+
+
 def remap_sequence_items(data: SequenceData) -> SequenceData:
     """``data`` with its item ids mapped to dense 1..K (K distinct ids, in increasing id order),
     ``raw_item_ids`` composed with any earlier mapping and ``candidates`` mapped the same way
