@@ -78,3 +78,20 @@ def test_two_ranks_resume_a_single_process_checkpoint(tmp_path, single_torch):
     err, leaf = worst_param_error(final_params(out), final_params(single_torch))
     assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
     assert [r["step"] for r in _train_records(out)] == list(range(1, 21))
+
+
+def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
+    """loss.name = in_batch: the shared negatives are drawn from the GLOBAL batch's targets, so
+    each rank scores its sequences against the same ones as one process does."""
+    sets = ["train.max_steps=4", "train.epochs=2", "train.eval_every=100", "loss.name=in_batch",
+            "loss.num_negatives=32"]
+    from gr_functional.runner import train
+
+    train(tiny_config(*sets), tmp_path / "single", progress=False, resume="never")
+    results = wait_all(spawn_ranks(tmp_path / "dist", *sets), timeout=120)
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+    err, leaf = worst_param_error(final_params(tmp_path / "dist"), final_params(tmp_path / "single"))
+    assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
+    got, want = _train_records(tmp_path / "dist"), _train_records(tmp_path / "single")
+    assert len(got) == 4 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
