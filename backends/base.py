@@ -270,6 +270,25 @@ class Backend:
         precision views gather them from the fp32 copy (``MixedPrecisionOps``)."""
         return self.gather_rows(table, idx)
 
+    def set_rows(self, table, rows, values):
+        """``table[N, ...]`` with ``table[rows[i]] = values[i]`` (rows[U] int32, values[U, ...]):
+        a row-sparse optimizer writing back its rows. Rows may repeat only with identical values
+        (the unique-row capacity is padded with the padding row, written back unchanged). It
+        DONATES ``table``: the caller must not use the old table afterwards (torch writes in
+        place, so a step over a multi-GB table copies nothing). Not differentiable.
+
+        Reference: ``where`` over a one-hot match (O(N*U); the Array API has no scatter)."""
+        xp = self.xp
+        if rows.shape[0] == 0:
+            return table
+        idx = xp.arange(table.shape[0], dtype=rows.dtype, device=self.array_device)
+        match = xp.reshape(idx, (-1, 1)) == xp.reshape(rows, (1, -1))                        # [N, U]
+        hit = xp.any(match, axis=1)
+        src = xp.argmax(xp.astype(match, xp.int32), axis=1)                                  # first match
+        picked = xp.take(values, src, axis=0)
+        mask = xp.reshape(hit, (-1,) + (1,) * (table.ndim - 1))
+        return xp.where(mask, picked, table)
+
     def segment_sum(self, data, segment_ids, num_segments: int):
         """``out[s] = sum(data[t] for t with segment_ids[t] == s)``; ids outside [0, S) are dropped.
 

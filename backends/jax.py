@@ -117,6 +117,10 @@ class JaxBackend(Backend):
     def segment_sum(self, data, segment_ids, num_segments: int):
         return self._jax.ops.segment_sum(data, segment_ids, num_segments=num_segments)
 
+    def set_rows(self, table, rows, values):
+        # functional; XLA writes in place when the caller's buffer is donated
+        return table.at[rows].set(values)
+
     def logsumexp(self, x, axis: int = -1):
         return self._jax.nn.logsumexp(x, axis=axis)
 

@@ -141,6 +141,11 @@ class TorchBackend(Backend):
         y = self._torch.nn.functional.silu(x @ w)
         return tuple(self._torch.split(y, list(splits), dim=-1))
 
+    def set_rows(self, table, rows, values):
+        # in place: the table is donated (base docstring), a multi-GB table is never copied
+        with self._torch.no_grad():
+            return table.index_copy_(0, rows.long(), values.to(table.dtype))
+
     def segment_sum(self, data, segment_ids, num_segments: int):
         # one extra bin swallows ids outside [0, S) (padding tokens use id S), as jax drops them
         ids = segment_ids.long()

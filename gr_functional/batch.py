@@ -46,6 +46,8 @@ class HSTUBatch:
       block_keep  [N_blocks, T, H*dv] float, likewise for each block's output dropout, or None
       shared_negatives  [R] int32 negatives shared by every position ("in_batch" losses), or None;
                   not per-token: a rank's slice of a global batch keeps all of them
+      lookup      embedding.lookup.Lookup or None: with a row-sparse embedding optimizer, the
+                  table rows this step reads; every id above is then a local index into them
     """
 
     tokens: Jagged
@@ -57,6 +59,7 @@ class HSTUBatch:
     input_keep: Any = None
     block_keep: Any = None
     shared_negatives: Any = None
+    lookup: Any = None
 
     @property
     def layout(self) -> Jagged:

@@ -139,11 +139,16 @@ def _array_sha256(arr: np.ndarray) -> str:
 
 
 # ----------------------------------------------------------------------------- one file
-def serialize_checkpoint(params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict | None = None) -> bytes:
-    """The safetensors bytes of a checkpoint (numpy trees -> tensors, metadata with checksums)."""
+def serialize_checkpoint(params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict | None = None,
+                         host: dict | None = None) -> bytes:
+    """The safetensors bytes of a checkpoint (numpy trees -> tensors, metadata with checksums).
+    ``host``: host-side state that is not a parameter (a hash table's id map and counters:
+    ``embedding.lookup.EmbeddingHost.state_dict``), tensors ``host.*`` kept in their own dtypes."""
     tensors = {f"params.{k}": np.array(v, order="C") for k, v in tree_items(params_np)}
     if opt_state_np is not None:
         tensors.update({f"opt.{k}": np.array(v, order="C") for k, v in tree_items(opt_state_np)})
+    if host:
+        tensors.update({f"host.{k}": np.array(v, order="C") for k, v in tree_items(host)})
     config_text = config_to_toml(cfg)
     meta_text = json.dumps(meta or {}, sort_keys=True)
     checksums = {"tensors": {k: _array_sha256(v) for k, v in tensors.items()},
@@ -170,6 +175,7 @@ class Checkpoint:
     config: Config
     meta: dict
     path: Path
+    host: dict | None = None  # host-side state (``serialize_checkpoint``), None when the run had none
 
     @property
     def step(self) -> int:
@@ -241,7 +247,8 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     opt_state = tree_from_items(opt_items) if opt_items else None
     if opt_state is not None and "step" in opt_state:
         opt_state["step"] = np.asarray(opt_state["step"])
-    return Checkpoint(params, opt_state, cfg, meta, path)
+    host_items = {k[len("host."):]: v for k, v in tensors.items() if k.startswith("host.")}
+    return Checkpoint(params, opt_state, cfg, meta, path, tree_from_items(host_items) if host_items else None)
 
 
 def check_finite(ck: Checkpoint) -> Checkpoint:
@@ -322,7 +329,7 @@ class CheckpointDir:
             pass
         return {"format": INDEX_FORMAT, "checkpoints": []}
 
-    def save(self, params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict) -> Path:
+    def save(self, params_np: dict, opt_state_np: dict | None, cfg: Config, meta: dict, host: dict | None = None) -> Path:
         """Write checkpoint ``meta["step"]``; raises ``NonFiniteState`` (writing nothing) when the
         params or optimizer state hold NaN/Inf, so every checkpoint in the folder is finite and
         retention, which keeps the newest ones, never deletes the newest finite one."""
@@ -331,7 +338,7 @@ class CheckpointDir:
         bad = first_non_finite(params_np, "params.") or first_non_finite(opt_state_np, "opt.")
         if bad is not None:
             raise NonFiniteState(f"refusing to write checkpoint {path}: {bad} holds NaN/Inf")
-        data = serialize_checkpoint(params_np, opt_state_np, cfg, meta)
+        data = serialize_checkpoint(params_np, opt_state_np, cfg, meta, host)
         atomic_write_bytes(path, data, fault_step=step)
         try:
             self._link_last(path, data)

@@ -31,6 +31,10 @@ Deterministic = Literal["auto", "on", "off"]
 DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
 Ties = Literal["file", "shuffle"]
+EmbeddingKind = Literal["dense", "hash"]
+EvictionPolicy = Literal["lru", "lfu"]
+EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
+HashInit = Literal["hashed", "dense"]
 
 
 def choices(literal) -> tuple[str, ...]:
@@ -285,6 +289,36 @@ class DistConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingConfig:
+    """The item embedding table (README "Sparse embeddings"; gr_functional/embedding/).
+
+    kind "dense": one row per item id 0..num_items (today's ``params["item_emb"]``). kind "hash":
+    a dynamic table of ``capacity`` rows; raw ids of any value get a row on first sight (after
+    ``min_count`` sightings), and when the table is full the ``policy`` picks the row to evict
+    (re-initialised with its optimizer state). The id -> row mapping and the per-step dedup run on
+    the host (numpy), so every backend sees the same rows.
+
+    optimizer "adamw": the whole table is a dense parameter updated by AdamW at every step (the
+    GR recipe; dense kind only). "lazy_adam" / "rowwise_adagrad": row-sparse updates of the rows a
+    step looks up (embedding/rowopt.py: lazy Adam keeps per-row moments and a per-row step count;
+    row-wise Adagrad one accumulator per row), with optim.lr / schedule / betas / eps /
+    weight_decay unless overridden here. Dense parameters always keep AdamW.
+    """
+
+    kind: EmbeddingKind = "dense"
+    capacity: int = _range(0, ge=0)      # hash rows (row 0 is reserved); 0 = model.num_items
+    policy: EvictionPolicy = "lru"       # hash eviction: least recently / least frequently used
+    min_count: int = _range(1, ge=1)     # hash admission: an id gets a row once seen in this many steps
+    optimizer: EmbeddingOptimizer = "adamw"
+    lr: float = _range(0.0, ge=0.0)      # row-sparse optimizers' base lr; 0 = optim.lr
+    # Initial value of a hash row: "hashed" (truncated normal std 0.02 drawn from a counter-based
+    # generator keyed by (train.seed, id): the same row for an id on every backend, rank and
+    # resume); "dense" (the row the dense table would have for that id; ids must be 1..num_items:
+    # for A/B comparisons of the table kind on a catalogue-sized id space).
+    init: HashInit = "hashed"
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -294,6 +328,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
 
 # section name -> its dataclass (each field's default_factory is the class itself)
@@ -455,6 +490,14 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
     if cfg.optim.schedule != "constant" and cfg.optim.decay_steps < 1:
         fail("optim", "decay_steps", f"optim.schedule={cfg.optim.schedule!r} decays over decay_steps updates; "
                                      f"set it >= 1 (e.g. the run's total steps minus optim.warmup_steps)")
+    emb = cfg.embedding
+    if emb.kind == "hash" and emb.optimizer == "adamw":
+        fail("embedding", "optimizer", "AdamW updates every row of the table at every step; a hash table is "
+                                       "updated by rows: use 'lazy_adam' (Adam semantics per row) or "
+                                       "'rowwise_adagrad'")
+    if emb.kind == "dense" and emb.capacity:
+        fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
+                                      "applies to embedding.kind = 'hash'")
     if not e.ks or any(k < 1 for k in e.ks):
         fail("eval", "ks", "must be a non-empty list of cut-offs >= 1, e.g. [10, 50, 200]")
     if 10 not in e.ks:

@@ -50,17 +50,28 @@ class Experiment:
         return make_backend(cfg, device)
 
     def init_params(self, seed: int | None = None) -> dict:
-        """Fresh parameters (numpy), as ``grf train`` initialises them (``train.seed`` by default)."""
+        """Fresh parameters (numpy), as ``grf train`` initialises them (``train.seed`` by default);
+        with ``embedding.kind = "hash"`` the item table has ``embedding.capacity + 1`` zero rows."""
         from . import model
+        from .embedding.lookup import make_host, table_params
 
-        return model.init_params(self.cfg.model, seed=self.cfg.train.seed if seed is None else seed)
+        dense = model.init_params(self.cfg.model, seed=self.cfg.train.seed if seed is None else seed)
+        return table_params(dense, make_host(self.cfg, dense["item_emb"]))
 
-    def evaluate(self, B, params, split: str = "valid") -> dict:
+    def embedding_host(self):
+        """A fresh ``embedding.lookup.EmbeddingHost``: with a row-sparse embedding optimizer,
+        ``host.prepare([batch], step)`` maps a step's ids to table rows (in step order) and
+        returns the batches ``train.make_train_step`` takes."""
+        from .embedding.lookup import make_host
+
+        return make_host(self.cfg)
+
+    def evaluate(self, B, params, split: str = "valid", host=None) -> dict:
         """HR@K / NDCG@K / MRR (``eval.ks``) of ``params`` on the ``valid`` or ``test`` split,
-        full-catalogue ranking as ``grf train`` evaluates."""
+        full-catalogue ranking as ``grf train`` evaluates (``host``: a hash table's)."""
         from .runner import evaluate
 
-        return evaluate(B, params, self.cfg, getattr(self.splits, split), self.data.candidates)
+        return evaluate(B, params, self.cfg, getattr(self.splits, split), self.data.candidates, host=host)
 
 
 def prepare(config: Config | str | Path | None = None, overrides: list = (), plugins: list = ()) -> Experiment:

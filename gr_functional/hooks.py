@@ -56,7 +56,8 @@ class StepResult:
     """One optimizer step as the hooks see it: ``metrics`` of ``train.train_step`` (loss, finite,
     ...), ``tokens`` (input tokens of the global step, as a one-process run counts them) and, in
     a data-parallel run, ``rank_tokens`` (per rank) and ``rank_compute_s`` (forward+backward
-    seconds per rank)."""
+    seconds per rank) and, with row-sparse embeddings, ``embedding`` (this step's lookups before
+    and after dedup and the table's cumulative counters, ``EmbeddingHost.counters``)."""
 
     step: int
     epoch: int
@@ -64,6 +65,7 @@ class StepResult:
     tokens: int
     rank_tokens: list | None = None
     rank_compute_s: np.ndarray | None = None
+    embedding: dict | None = None
 
     @property
     def finite(self) -> bool:
@@ -133,53 +135,80 @@ def _groups(batches, k: int):
         yield group
 
 
-class LocalSteps:
-    """Steps of a one-process run: ``train.accumulate`` loader batches per optimizer step."""
+def _lookup_record(host, stats) -> dict | None:
+    """A step's lookup numbers for metrics.jsonl (None without row-sparse embeddings)."""
+    if stats is None:
+        return None
+    return {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
+            "bytes_after": stats.bytes_after, "table": host.counters()}
 
-    def __init__(self, B, cfg: Config, loader):
+
+class LocalSteps:
+    """Steps of a one-process run: ``train.accumulate`` loader batches per optimizer step. With
+    row-sparse embeddings, ``host`` (``embedding.lookup.EmbeddingHost``) maps each step's ids to
+    table rows, in step order, before the step runs."""
+
+    def __init__(self, B, cfg: Config, loader, host=None):
         from .train import make_train_step
 
         self.B, self.loader, self.k = B, loader, cfg.train.accumulate
+        self.host = host if host is not None and host.sparse else None
         self.fn = make_train_step(B, cfg)
 
     def batches(self, epoch: int, start: int):
         return _groups(self.loader.epoch(epoch, start), self.k)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
+        stats = None
+        tokens = sum(b.layout.num_tokens() for b in micro)
+        if self.host is not None:
+            micro, stats = self.host.prepare(micro, step)
         dev = [self.B.asarray_tree(b) for b in micro]
         params, opt_state, m = self.fn(params, opt_state, dev if self.k > 1 else dev[0])
-        return params, opt_state, StepResult(step, epoch, m, sum(b.layout.num_tokens() for b in micro))
+        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=_lookup_record(self.host, stats))
 
 
 class RankSteps:
     """Steps of one rank of a data-parallel run: its share of each global batch; gradients are
     all-reduced inside the step (``train.make_dist_train_step``)."""
 
-    def __init__(self, B, cfg: Config, loader, comm):
+    def __init__(self, B, cfg: Config, loader, comm, host=None):
         from .train import make_dist_train_step
 
         self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
+        self.host = host if host is not None and host.sparse else None
         self.fn = make_dist_train_step(B, cfg, comm)
 
     def batches(self, epoch: int, start: int):
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
-        return _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact"), self.k)
+        return _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
+                                              with_ids=self.host is not None), self.k)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         self.comm.step = step
         self.comm.progress("step")
-        dev = [self.B.asarray_tree(rb.batch) for rb in micro]
+        batches, stats = [rb.batch for rb in micro], None
+        if self.host is not None:
+            # every rank maps the ids of the whole global step (the same rows everywhere)
+            from .embedding.lookup import unique_ids
+
+            ids, _ = unique_ids([rb.step_ids[0] for rb in micro])
+            refs = sum(rb.step_ids[1] for rb in micro)
+            batches, stats = self.host.prepare(batches, step, ids, refs)
+        dev = [self.B.asarray_tree(b) for b in batches]
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
                                        sum(rb.global_tokens for rb in micro))
         return params, opt_state, StepResult(
             step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),  # global, as one process counts
             rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
-            rank_compute_s=np.asarray(m["rank_compute_s"]))
+            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=_lookup_record(self.host, stats))
 
 
-def make_steps(B, cfg: Config, loader, comm):
+def make_steps(B, cfg: Config, loader, comm, host=None):
     """The step runner of this process: one place chooses between one process and one rank."""
-    return LocalSteps(B, cfg, loader) if comm.world_size == 1 else RankSteps(B, cfg, loader, comm)
+    if comm.world_size == 1:
+        return LocalSteps(B, cfg, loader, host)
+    return RankSteps(B, cfg, loader, comm, host)
 
 
 @dataclasses.dataclass
@@ -274,6 +303,8 @@ class StepLog(Hook):
                       "tokens": step.tokens}
             if fp16:
                 record["loss_scale"] = float(m["loss_scale"])
+            if step.embedding is not None:
+                record["embedding"] = step.embedding
             run.log.write(record)
             run.log.flush()
             trec = {"kind": "train", "step": step.step, "tokens_per_s": run.tokens_per_s,

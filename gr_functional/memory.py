@@ -90,10 +90,18 @@ class Item(NamedTuple):
 
 
 def param_count(cfg) -> int:
-    """Parameters of ``model.init_params`` (``model.param_shapes``), without allocating them."""
+    """Parameters of the run (``model.param_shapes``; a hash table has ``embedding.capacity``
+    rows), without allocating them."""
     from .model import param_shapes
 
-    return sum(math.prod(shape) for shape in param_shapes(cfg.model).values())
+    return sum(math.prod(shape) for shape in param_shapes(cfg.model, table_items(cfg)).values())
+
+
+def table_items(cfg) -> int | None:
+    """Rows of the item table minus the padding row when it is not ``model.num_items``: a hash
+    table's capacity (None for a dense table)."""
+    e = cfg.embedding
+    return (e.capacity or cfg.model.num_items) if e.kind == "hash" else None
 
 
 def token_capacity(cfg, data, batch_size: int | None = None) -> int:

@@ -22,7 +22,8 @@ from .config import LossConfig, ModelConfig
 def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
     """``{path: shape}`` of every parameter ``init_params`` makes, paths as ``tree.tree_items``
     names them (``blocks.0.w_uvqk``); no allocation: checkpoints and the memory estimate are
-    checked against it."""
+    checked against it. ``num_items``: rows of the item table minus one (a hash table's capacity;
+    default ``cfg.num_items``)."""
     n_items = num_items or cfg.num_items
     D, n, hv = cfg.embed_dim, cfg.norm_len, cfg.num_heads * cfg.dv
     shapes = {"item_emb": (n_items + 1, D), "pos_emb": (n + 1, D)}

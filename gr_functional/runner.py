@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -48,11 +49,12 @@ from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteSt
                          fault_point, read_checkpoint, warn, write_error)
 from .config import Config, ConfigError, build_config, config_to_toml, replace
 from .config import validate as config_validate
-from .memory import check_fits
+from .memory import check_fits, table_items
 from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
 from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, advice, bad_step, builtin_hooks, last_healthy,
                     make_steps, named_hooks)
+from .embedding.lookup import make_host, table_params
 from .train import init_loss_scale, init_opt_state, make_scorer
 from .tree import tree_items
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
@@ -79,6 +81,8 @@ def resolve(cfg: Config, data) -> Config:
         raise ConfigError(f"model.num_items={cfg.model.num_items} but the data ({data.name or 'dataset'}) has item ids "
                           f"up to {data.num_items}; set model.num_items = 0 (take it from the data) or >= "
                           f"{data.num_items}")
+    if cfg.embedding.kind == "hash" and cfg.embedding.capacity == 0:
+        cfg = replace(cfg, embedding={"capacity": cfg.model.num_items})  # one row per item: recorded
     return cfg
 
 
@@ -143,13 +147,20 @@ def make_backend(cfg: Config, device: str | None = None):
 
 # ----------------------------------------------------------------------------- evaluation
 def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0,
-             on_batch=None) -> dict:
+             on_batch=None, host=None) -> dict:
     """HR@K / NDCG@K / MRR on leave-one-out ``examples`` (split.test or split.valid): full-catalogue
     ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history.
-    ``on_batch()``, if given, is called before each batch (the distributed watchdog's progress)."""
+    ``on_batch()``, if given, is called before each batch (the distributed watchdog's progress).
+    ``host``: a hash table's ``EmbeddingHost``: items are scored through their rows (ids without
+    a row read the zero row in histories and rank last as targets)."""
     from .data import batching, metrics
 
     scorer = scorer or make_scorer(B, cfg)
+    absent = None
+    if host is not None and host.table is not None:
+        rows = host.eval_rows(np.arange(cfg.model.num_items + 1))
+        params = {**params, "item_emb": B.gather_rows(params["item_emb"], B.asarray(rows))}  # indexed by id
+        absent = np.flatnonzero(rows[1:] == 0) + 1
     ranks = []
     for batch, targets, exclude in batching.iter_eval(examples, cfg.model, cfg.eval.batch_size,
                                                     max_users=max_users or cfg.eval.max_users):
@@ -161,6 +172,9 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
             raise Diverged(f"evaluation produced non-finite scores for {bad} of {len(targets)} users in a batch "
                            f"(NaN/Inf in the model's output: the parameters diverged or overflowed in "
                            f"backend.precision={cfg.backend.precision})")
+        if absent is not None and absent.size:
+            scores = np.array(scores)  # a JAX array's numpy view is read-only
+            scores[:, absent] = -np.inf
         ranks.append(metrics.ranks_from_scores(scores, targets, exclude, candidates=candidates))
     return metrics.metrics_from_ranks(np.concatenate(ranks), cfg.eval.ks)
 
@@ -170,12 +184,13 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
 # the parameters mean. Any other key may change on resume (backend.name: resume on another
 # backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
 # and backend precision/dtype changes are allowed with a warning.
-_MATCH_SECTIONS = ("data", "model", "loss")
+_MATCH_SECTIONS = ("data", "model", "loss", "embedding")
 _MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
 # model.attention_tile only lays out the attention's work (same results up to float rounding)
 _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
                                                                                 ("backend", "dtype"),
-                                                                                ("model", "attention_tile")]
+                                                                                ("model", "attention_tile"),
+                                                                                ("embedding", "lr")]
 
 
 def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
@@ -318,6 +333,11 @@ def _say(message: str) -> None:
     print(f"grf: {message}", file=sys.stderr, flush=True)
 
 
+def _missing_host(ck: Checkpoint):
+    raise CheckpointError(f"checkpoint {ck.path} has no embedding table state (host.embedding.*) although its config "
+                          f"uses embedding.optimizer={ck.config.embedding.optimizer!r}; the file is incomplete")
+
+
 def _restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
     """The checkpoint's optimizer state on ``B``, with the fp16 loss scaler added or dropped to
     match ``backend.precision`` (a precision change on resume)."""
@@ -365,11 +385,13 @@ def _world_size() -> int:
 def check_param_shapes(ck: Checkpoint) -> None:
     """``CheckpointError`` when the checkpoint's params (and AdamW moments) do not have the shapes
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
-    expected = model.param_shapes(ck.config.model)
-    trees = [("params", ck.params)]
+    cfg = ck.config
+    expected = model.param_shapes(cfg.model, table_items(cfg))
+    trees = [("params", ck.params, expected)]
+    moments = {k: v for k, v in expected.items() if not (k == "item_emb" and cfg.embedding.optimizer != "adamw")}
     if ck.opt_state is not None:
-        trees += [(f"opt.{m}", ck.opt_state[m]) for m in ("mu", "nu") if m in ck.opt_state]
-    for name, tree in trees:
+        trees += [(f"opt.{m}", ck.opt_state[m], moments) for m in ("mu", "nu") if m in ck.opt_state]
+    for name, tree, expected in trees:
         got = {k: tuple(np.shape(v)) for k, v in tree_items(tree)}
         if got != expected:
             diff = sorted(set(got) ^ set(expected))[:3] or [
@@ -591,6 +613,9 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     if restored is not None:
         params = B.asarray_tree(restored.params)
         opt_state = _restore_opt_state(B, restored.opt_state, cfg)
+        host = make_host(cfg)
+        if host.sparse:
+            host.load_state_dict((restored.host or {}).get("embedding") or _missing_host(restored))
         state = RunState.from_meta(restored.meta["run"])
         log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines) if main else _NullLog()
         if not main:
@@ -602,7 +627,9 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
             f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
         events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
     else:
-        params = B.asarray_tree(model.init_params(cfg.model, seed=cfg.train.seed))
+        dense = model.init_params(cfg.model, seed=cfg.train.seed)
+        host = make_host(cfg, dense["item_emb"])
+        params = B.asarray_tree(table_params(dense, host))
         opt_state = init_opt_state(B, params, cfg)
         state = RunState()
         log = JsonLog(out / "metrics.jsonl") if main else _NullLog()
@@ -616,7 +643,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         timing.write({**ev, "time": time.time()})
 
     tc = cfg.train
-    steps = make_steps(B, cfg, train_loader, comm)
+    steps = make_steps(B, cfg, train_loader, comm, host)
     epoch, start = train_loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None  # no batches left: only the epoch's end
@@ -638,7 +665,8 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                         "position": list(train_loader.position)},
                 "world_size": comm.world_size}
         try:
-            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta)
+            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta,
+                              host={"embedding": host.state_dict()} if host.sparse else None)
         except NonFiniteState as exc:  # the step guard should make this unreachable: never write it
             raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
         timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
@@ -652,7 +680,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     run = Run(cfg=cfg, out=out, B=B, comm=comm, state=state, log=log, timing=timing, loader=train_loader,
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=params,
               opt_state=opt_state, run_start=time.perf_counter())
-    evaluation = Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir)
+    evaluation = Evaluation(partial(evaluate, host=host), splits, data.candidates, make_scorer(B, cfg), ckdir)
     hooks = [*builtin_hooks(cfg, out, main, evaluation), *named_hooks(cfg.train.hooks), *extra_hooks]
 
     def finished() -> bool:
@@ -750,6 +778,9 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     cfg = resolve(cfg, data)
     B = make_backend(cfg)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
-    result = evaluate(B, B.asarray_tree(params_np), cfg, getattr(splits, split), data.candidates)
+    host = make_host(cfg)
+    if host.sparse:
+        host.load_state_dict((ck.host or {}).get("embedding") or _missing_host(ck))
+    result = evaluate(B, B.asarray_tree(params_np), cfg, getattr(splits, split), data.candidates, host=host)
     return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"),
             "epoch": meta.get("epoch"), "dataset": data.name}

@@ -42,21 +42,40 @@ from . import model
 from .balance import rank_loss_weight
 from .batch import HSTUBatch
 from .config import Config, Precision, choices
-from .optim import adamw_init, adamw_update
+from .embedding import rowopt
+from .optim import adamw_init, adamw_update, learning_rate
 from .tree import tree_items, tree_map
 
 PRECISIONS = choices(Precision)
 _ADAM_KEYS = ("step", "mu", "nu")
+TABLE = "item_emb"  # the parameter a row-sparse embedding optimizer updates by rows
+
+
+def row_sparse(cfg: Config) -> bool:
+    """The item table is updated by rows (``embedding.optimizer`` lazy_adam / rowwise_adagrad):
+    batches then carry a ``Lookup`` and the AdamW state leaves the table out."""
+    return cfg.embedding.optimizer != "adamw"
 
 
 # ----------------------------------------------------------------------------- state
 def init_opt_state(B, params: dict, cfg: Config) -> dict:
     """AdamW state ``{"step", "mu", "nu"}`` (``optim.adamw_init``), plus for fp16 the dynamic loss
-    scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``."""
-    state = adamw_init(B, params)
+    scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``. With a
+    row-sparse embedding optimizer, AdamW covers the dense parameters only and ``"rows"`` holds
+    the table's per-row state (``embedding.rowopt.init_row_state``)."""
+    if row_sparse(cfg):
+        table = params[TABLE]
+        state = adamw_init(B, _dense(params))
+        state["rows"] = rowopt.init_row_state(B, cfg.embedding.optimizer, table.shape[0], table.shape[1])
+    else:
+        state = adamw_init(B, params)
     if cfg.backend.precision == "fp16":
         state["loss_scale"] = init_loss_scale(B, cfg)
     return state
+
+
+def _dense(tree: dict) -> dict:
+    return {k: v for k, v in tree.items() if k != TABLE}
 
 
 def init_loss_scale(B, cfg: Config) -> dict:
@@ -142,26 +161,45 @@ def update_health(B, params: dict, new_params: dict, new_adam: dict):
     return finite, ratio
 
 
-def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config):
+def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None):
     """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``.
 
     The update is applied only when the loss, every gradient and the update itself are finite
     and the update moves the parameters by at most ``train.max_update_ratio`` of their norm
     (``update_health``; 0 turns the ratio check off). Otherwise params and optimizer state come
-    back unchanged and ``metrics["finite"]`` is false."""
+    back unchanged and ``metrics["finite"]`` is false.
+
+    With a ``lookup`` (row-sparse embeddings), ``grads`` are those of ``view`` (``local_params``:
+    the table replaced by the step's rows): dense parameters get AdamW, the looked-up rows the
+    row-sparse optimizer (``sparse_update``), and the norms of the guard cover the dense
+    parameters and the looked-up rows (not the untouched rest of the table)."""
     xp = B.xp
     loss_ok = xp.isfinite(loss)
     grads_ok = xp.logical_and(loss_ok, all_finite(B, grads))
     adam = {k: opt_state[k] for k in _ADAM_KEYS}
-    new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
-    update_ok, ratio = update_health(B, params, new_params, new_adam)
+    if lookup is None:
+        new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
+        update_ok, ratio = update_health(B, params, new_params, new_adam)
+    else:
+        new_dense, new_adam = adamw_update(B, _dense(grads), adam, _dense(params), cfg.optim)
+        old_rows, new_rows, old_state, new_state = sparse_update(B, opt_state["rows"], view[TABLE], grads[TABLE],
+                                                                 lookup, new_adam["step"], cfg)
+        update_ok, ratio = update_health(B, {**_dense(params), TABLE: old_rows}, {**new_dense, TABLE: new_rows},
+                                         {**new_adam, "rows": new_state})
     ok = xp.logical_and(grads_ok, update_ok)
     if cfg.train.max_update_ratio > 0:
         ok = xp.logical_and(ok, ratio <= cfg.train.max_update_ratio)
     # skip a bad step: select the old leaves (NaNs in the unselected branch are harmless)
     keep = lambda new, old: xp.where(ok, new, old)  # noqa: E731
-    params = tree_map(keep, new_params, params)
-    state = tree_map(keep, new_adam, adam)
+    if lookup is None:
+        params = tree_map(keep, new_params, params)
+        state = tree_map(keep, new_adam, adam)
+    else:
+        # rows are written back even for a skipped step: fresh rows must hold their initial value
+        table = B.set_rows(params[TABLE], lookup.rows, keep(new_rows, old_rows))
+        rows_state = rowopt.scatter_state(B, opt_state["rows"], lookup.rows, tree_map(keep, new_state, old_state))
+        params = {**tree_map(keep, new_dense, _dense(params)), TABLE: table}
+        state = {**tree_map(keep, new_adam, adam), "rows": rows_state}
     metrics = {"loss": loss, "finite": ok, "loss_finite": loss_ok, "grads_finite": grads_ok,
                "update_finite": update_ok, "update_ratio": ratio, "tokens": tokens}
     if "loss_scale" in opt_state:
@@ -177,19 +215,47 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     return params, state, metrics
 
 
+
+def local_params(B, params: dict, lookup) -> dict:
+    """``params`` with the item table replaced by the step's rows ``[S, D]`` (``lookup.rows``;
+    fresh rows at their initial value ``lookup.init``): what the model and its gradient see when
+    the batch's ids are local indices."""
+    xp = B.xp
+    rows = B.gather_rows(params[TABLE], lookup.rows)
+    rows = xp.where(xp.reshape(lookup.fresh, (-1, 1)), lookup.init, rows)
+    return {**params, TABLE: rows}
+
+
+def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):
+    """``(old_rows, new_rows, old_state, new_state)`` of the looked-up rows: the row-sparse
+    optimizer (``embedding.optimizer``) at the scheduled learning rate of update ``step``
+    (``embedding.lr`` as the base lr when set). Fresh rows start from a zero state."""
+    xp = B.xp
+    fresh = lookup.fresh
+    old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),
+                         rowopt.gather_state(B, row_state, lookup.rows))
+    ocfg = dataclasses.replace(cfg.optim, lr=cfg.embedding.lr or cfg.optim.lr)
+    lr = learning_rate(xp, step, ocfg)
+    new_rows, new_state = rowopt.row_update(B, cfg.embedding.optimizer, rows, grads, old_state, lookup.touched,
+                                            lr, ocfg)
+    return rows, new_rows, old_state, new_state
+
+
 # ----------------------------------------------------------------------------- the step
 def train_step(B, params: dict, opt_state: dict, batch, cfg: Config):
     """One optimizer step on ``batch`` (an ``HSTUBatch`` or a list of micro-batches). Pure."""
     batches = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    lookup = batches[0].lookup
+    view = params if lookup is None else local_params(B, params, lookup)
     if len(batches) == 1:
         # one batch: its own mean loss and gradients, no re-weighting (bitwise the plain step)
-        loss, tokens, grads = micro_grads(B, params, opt_state, batches[0], cfg)
+        loss, tokens, grads = micro_grads(B, view, opt_state, batches[0], cfg)
     else:
         acc = None
         for mb in batches:
-            acc = accumulate(B, acc, *micro_grads(B, params, opt_state, mb, cfg))
+            acc = accumulate(B, acc, *micro_grads(B, view, opt_state, mb, cfg))
         loss, tokens, grads = finish(B, acc)
-    return apply_update(B, params, opt_state, loss, tokens, grads, cfg)
+    return apply_update(B, params, opt_state, loss, tokens, grads, cfg, lookup=lookup, view=view)
 
 
 def make_train_step(B, cfg: Config):
@@ -204,18 +270,22 @@ def make_train_step(B, cfg: Config):
     grads_fn = B.jit(partial(micro_grads, B, cfg=cfg))
     first_fn = B.jit(partial(accumulate, B, None))
     acc_fn = B.jit(partial(accumulate, B))
-    apply_fn = B.jit(lambda params, opt_state, acc: apply_update(B, params, opt_state, *finish(B, acc), cfg))
+    apply_fn = B.jit(lambda params, opt_state, acc, lookup, view: apply_update(
+        B, params, opt_state, *finish(B, acc), cfg, lookup=lookup, view=view))
+    view_fn = B.jit(partial(local_params, B))
 
     def step(params, opt_state, batch):
         if not isinstance(batch, (list, tuple)):
             return whole(params, opt_state, batch)
         if len(batch) == 1:
             return whole(params, opt_state, batch[0])
+        lookup = batch[0].lookup
+        view = params if lookup is None else view_fn(params, lookup)
         acc = None
         for mb in batch:
-            part = grads_fn(params, opt_state, mb)
+            part = grads_fn(view, opt_state, mb)
             acc = first_fn(*part) if acc is None else acc_fn(acc, *part)
-        return apply_fn(params, opt_state, acc)
+        return apply_fn(params, opt_state, acc, lookup, view)
 
     return step
 
@@ -284,7 +354,9 @@ def make_dist_train_step(B, cfg: Config, comm):
     def step(params, opt_state, micro, tokens, global_tokens):
         comm.start_step()
         scales = rank_scales(tokens, global_tokens, R)
-        loss_part, grads = rank_grads(B, params, opt_state, list(micro), scales, cfg, vg=local_vg,
+        lookup = micro[0].lookup
+        view = params if lookup is None else local_params(B, params, lookup)
+        loss_part, grads = rank_grads(B, view, opt_state, list(micro), scales, cfg, vg=local_vg,
                                       last_vg=reduced_vg)
         compute, cpu, wait = comm.step_times()
         row = np.zeros(1 + 2 * R)
@@ -294,7 +366,7 @@ def make_dist_train_step(B, cfg: Config, comm):
         row = comm.all_reduce_sum(row)
         loss = B.asarray(row[0], dtype=B.float_dtype)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
-                                                  grads, cfg)
+                                                  grads, cfg, lookup=lookup, view=view)
         metrics.update(compute_s=compute, wait_s=wait,
                        rank_compute_s=[float(x) for x in row[1:1 + R]],
                        rank_cpu_s=[float(x) for x in row[1 + R:]])

@@ -27,6 +27,7 @@ import numpy as np
 from .. import balance
 from ..batch import HSTUBatch, Negatives, make_batch
 from ..config import DistBalance, ModelConfig, choices
+from ..embedding.lookup import batch_ids, unique_ids
 from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
 from ..errors import DataError
 from .sequences import SequenceData
@@ -96,6 +97,8 @@ class RankBatch:
       tokens         float: supervised tokens of ``batch``
       rank_tokens    [R] int64 input tokens of every rank's share
       rank_costs     [R] float64 cost-model value of every rank's share
+      step_ids       (ids, references) of the whole global batch (``embedding.lookup.unique_ids``),
+                     when asked for (row-sparse embeddings: every rank maps the same rows), else None
     """
 
     batch: HSTUBatch
@@ -103,6 +106,7 @@ class RankBatch:
     tokens: float
     rank_tokens: np.ndarray
     rank_costs: np.ndarray
+    step_ids: tuple | None = None
 
 
 def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "ladder") -> HSTUBatch:
@@ -152,7 +156,7 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
 
     return HSTUBatch(tokens, take(batch.ts), take(batch.query_ts), take(batch.targets), take(batch.weights),
                      take(batch.negatives), take(batch.input_keep), take(batch.block_keep, axis=1),
-                     batch.shared_negatives)
+                     batch.shared_negatives, batch.lookup)
 
 
 class TrainLoader:
@@ -343,9 +347,10 @@ class TrainLoader:
                                 f"dist.rank_token_cap or lower train.batch_size") from None
 
     def rank_batch(self, epoch: int, step: int, rank: int, *, capacity: str | tuple[int, int] = "exact",
-                   global_batch: HSTUBatch | None = None) -> RankBatch:
+                   global_batch: HSTUBatch | None = None, with_ids: bool = False) -> RankBatch:
         """Rank ``rank``'s share of global batch ``step`` of ``epoch`` (random access). The global
-        batch is built as ``batch(epoch, step)`` (or passed in) and sliced (``slice_batch``)."""
+        batch is built as ``batch(epoch, step)`` (or passed in) and sliced (``slice_batch``);
+        ``with_ids`` adds the global batch's distinct ids (``RankBatch.step_ids``)."""
         assign = self.rank_assignment(epoch, step)
         R = self.split.world_size
         if not 0 <= rank < R:
@@ -354,9 +359,12 @@ class TrainLoader:
         tok = self.tokens[self.plan(epoch)[step]]
         mine = np.flatnonzero(assign == rank)
         part = slice_batch(whole, mine, capacity=capacity)
+        step_ids = None
+        if with_ids:
+            step_ids = unique_ids(batch_ids(whole))
         return RankBatch(part, float(np.asarray(whole.weights).sum()), float(np.asarray(part.weights).sum()),
                          np.bincount(assign, weights=tok, minlength=R).astype(np.int64),
-                         np.bincount(assign, weights=self.split.costs(tok), minlength=R))
+                         np.bincount(assign, weights=self.split.costs(tok), minlength=R), step_ids)
 
     def rank_batches(self, epoch: int, step: int, *, capacity: str | tuple[int, int] = "common") -> list[RankBatch]:
         """Every rank's share of global batch ``step`` (the single-process JAX data-parallel step
@@ -377,12 +385,12 @@ class TrainLoader:
                 for r in range(self.split.world_size)]
 
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
-                   capacity: str | tuple[int, int] = "exact") -> Iterator[RankBatch]:
+                   capacity: str | tuple[int, int] = "exact", with_ids: bool = False) -> Iterator[RankBatch]:
         """Like ``epoch`` but yields this rank's ``RankBatch`` of each global batch; moves the
         position the same way (every rank holds the same position)."""
         n = self.steps_in_epoch(e)
         for s in range(start_step, n):
-            part = self.rank_batch(e, s, rank, capacity=capacity)
+            part = self.rank_batch(e, s, rank, capacity=capacity, with_ids=with_ids)
             self._epoch, self._step = (e, s + 1) if s + 1 < n else (e + 1, 0)
             yield part
         if start_step >= n:

@@ -1,0 +1,273 @@
+"""The per-step lookup plan of the item table: dedup, id -> row mapping, and the batch rewritten.
+
+A training step names item ids in four places: the input tokens, the targets, the sampled
+negatives ``[T, R]`` and the shared negatives ``[R]``. With a row-sparse optimizer the step does
+not read the whole table: the host collects the DISTINCT ids of the step (of all its
+micro-batches, and in a data-parallel run of the whole global batch, so every rank reads and
+updates the same rows), maps them to table rows (``EmbeddingHost``: identity for a dense table, a
+``HashTable`` for a dynamic one) and rewrites every id in the batch as a local index into those
+rows. The device then gathers U rows once, the model runs unchanged on a ``[U, D]`` "table", and
+the gradient comes back already summed per unique row (dedup of the backward for free).
+
+Local index 0 is the padding id; ids 1..U are the step's distinct ids in increasing order; the
+slots are padded to a capacity from the ladder (``jagged.round_up_capacity``) so JAX compiles one
+program per capacity. A ``Lookup`` carries, per slot:
+
+  rows     [S] int32    table row read (0 = the padding row, for slot 0, capacity padding and
+                        ids the table did not admit: they read a zero row and train nothing)
+  touched  [S] bool     the row is updated by this step (a real, admitted id)
+  fresh    [S] bool     the row was (re)assigned to its id this step: its value is ``init`` and its
+                        optimizer state restarts from zero (a first sighting or an evicted row)
+  init     [S, D] float32  the initial value of fresh rows (zeros elsewhere)
+
+Counters (ids named before and after dedup, bytes) are host numbers in ``LookupStats``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..batch import HSTUBatch
+from ..config import Config
+from ..errors import ConfigError
+from ..jagged import round_up_capacity
+from .hashtable import HashTable, hashed_init
+
+# Ids up to this value are deduplicated with a bincount (linear time) instead of a sort.
+_BINCOUNT_MAX_ID = 1 << 26
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """The rows one step reads and updates (module docstring); arrays (numpy or a backend's)."""
+
+    rows: Any
+    touched: Any
+    fresh: Any
+    init: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupStats:
+    """Host counts of one step's lookup: ``ids`` (id references in the batch, padding excluded),
+    ``unique`` (distinct ids = rows gathered), ``row_bytes`` (bytes of one row)."""
+
+    ids: int
+    unique: int
+    row_bytes: int
+
+    @property
+    def bytes_before(self) -> int:
+        return self.ids * self.row_bytes
+
+    @property
+    def bytes_after(self) -> int:
+        return self.unique * self.row_bytes
+
+
+def batch_ids(batch: HSTUBatch) -> list[np.ndarray]:
+    """Every id array of ``batch`` (numpy; padding zeros included)."""
+    arrays = [np.asarray(batch.tokens.values), np.asarray(batch.targets)]
+    for extra in (batch.negatives, batch.shared_negatives):
+        if extra is not None:
+            arrays.append(np.asarray(extra))
+    return arrays
+
+
+def unique_ids(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
+    """``(ids, references)``: the distinct non-zero ids of ``arrays`` in increasing order
+    (int64) and how many non-zero entries named them."""
+    flat = [np.ravel(a) for a in arrays if np.size(a)]
+    if not flat:
+        return np.zeros(0, np.int64), 0
+    hi = max(int(a.max()) for a in flat)
+    lo = min(int(a.min()) for a in flat)
+    if 0 <= lo and hi < _BINCOUNT_MAX_ID:
+        counts = np.zeros(hi + 1, np.int64)
+        for a in flat:
+            counts += np.bincount(a, minlength=hi + 1)
+        counts[0] = 0
+        ids = np.flatnonzero(counts).astype(np.int64)
+        return ids, int(counts.sum())
+    cat = np.concatenate(flat).astype(np.int64)
+    cat = cat[cat != 0]
+    return np.unique(cat), int(cat.size)
+
+
+def _by_search(ids: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Local indices of ``x`` by binary search in ``ids``; an id outside ``ids`` is an error."""
+    pos = np.minimum(np.searchsorted(ids, x.astype(np.int64)), max(len(ids) - 1, 0))
+    found = (ids[pos] == x) if len(ids) else np.zeros(x.shape, bool)
+    missing = ~found & (x != 0)
+    if missing.any():
+        raise ValueError(f"localize: ids {x[missing].ravel()[:3].tolist()} of the batch are not in the step's "
+                         f"id list")
+    return np.where(x == 0, 0, pos + 1).astype(np.int32)
+
+
+def _indexer(ids: np.ndarray):
+    """``x -> local indices`` for the increasing ``ids``: a table lookup where the ids are small
+    (linear time), a binary search otherwise."""
+    if not (len(ids) and ids[0] > 0 and ids[-1] < _BINCOUNT_MAX_ID):
+        return lambda x: _by_search(ids, x)
+    lut = np.zeros(int(ids[-1]) + 1, np.int32)
+    lut[ids] = np.arange(1, len(ids) + 1, dtype=np.int32)
+
+    def index(x):
+        if x.size and (int(x.max()) >= len(lut) or int(x.min()) < 0):
+            return _by_search(ids, x)
+        out = lut[x]
+        if np.any((out == 0) & (x != 0)):
+            return _by_search(ids, x)  # an id outside ``ids``: the search names it
+        return out
+
+    return index
+
+
+def localize(batch: HSTUBatch, ids: np.ndarray, lookup: Lookup | None = None) -> HSTUBatch:
+    """``batch`` with every id replaced by its local index (0 for padding, ``1 + position in
+    ids``), and ``lookup`` attached. ``ids``: increasing int64, holding every non-zero id of the batch."""
+    index = _indexer(np.asarray(ids, dtype=np.int64))
+
+    def local(x):
+        return None if x is None else index(np.asarray(x))
+
+    tokens = dataclasses.replace(batch.tokens, values=local(batch.tokens.values))
+    return dataclasses.replace(batch, tokens=tokens, targets=local(batch.targets),
+                               negatives=local(batch.negatives), shared_negatives=local(batch.shared_negatives),
+                               lookup=lookup)
+
+
+class EmbeddingHost:
+    """The host side of a run's item table: maps each step's ids to rows, in step order.
+
+    kind "dense": row = id (the table has num_items + 1 rows). kind "hash": a ``HashTable`` of
+    ``embedding.capacity`` rows (default num_items); fresh rows get ``hashed_init(train.seed, id)``
+    or, with ``embedding.init = "dense"``, the row ``dense_rows[id]`` the dense table starts with.
+    Stateful (the hash table and counters), checkpointed with ``state_dict``; deterministic for
+    a given sequence of steps.
+    """
+
+    def __init__(self, cfg: Config, num_items: int, dense_rows: np.ndarray | None = None):
+        e = cfg.embedding
+        self.kind, self.dim, self.seed = e.kind, cfg.model.embed_dim, cfg.train.seed
+        self.num_items = num_items
+        self.sparse = e.optimizer != "adamw"
+        self.init = e.init
+        self.dense_rows = dense_rows
+        if e.kind == "hash":
+            self.capacity = e.capacity or num_items
+            self.table = HashTable(self.capacity, policy=e.policy, min_count=e.min_count, seed=self.seed)
+            if e.init == "dense" and dense_rows is None:
+                raise ValueError("embedding.init='dense' needs the dense table's initial rows (dense_rows)")
+        else:
+            self.capacity = num_items
+            self.table = None
+        self.totals = {"steps": 0, "ids": 0, "unique": 0}
+
+    @property
+    def rows(self) -> int:
+        """Rows of the table, the padding row 0 included."""
+        return self.capacity + 1
+
+    # ------------------------------------------------------------------ one step
+    def plan(self, ids: np.ndarray, references: int, step: int) -> tuple[Lookup, LookupStats]:
+        """The ``Lookup`` of a step naming the distinct ``ids`` (increasing int64, 0 excluded)
+        ``references`` times; inserts and evicts in a hash table (step = the optimizer step)."""
+        n = len(ids)
+        slots = round_up_capacity(n + 1)
+        rows = np.zeros(slots, np.int32)
+        touched = np.zeros(slots, bool)
+        fresh = np.zeros(slots, bool)
+        init = np.zeros((slots, self.dim), np.float32)
+        if self.table is None:
+            if n and (ids[0] < 1 or ids[-1] > self.num_items):
+                bad = ids[(ids < 1) | (ids > self.num_items)][:3]
+                raise ValueError(f"ids {bad.tolist()} are outside 1..{self.num_items} of the dense item table; "
+                                 f"use embedding.kind='hash' for raw ids")
+            rows[1:n + 1] = ids
+            touched[1:n + 1] = True
+        else:
+            got = self.table.assign(ids, step)
+            rows[1:n + 1] = got.rows
+            touched[1:n + 1] = got.rows > 0
+            fresh[1:n + 1] = got.fresh
+            new = ids[got.fresh]
+            if new.size:
+                init[1:n + 1][got.fresh] = self.initial_rows(new)
+        self.totals["steps"] += 1
+        self.totals["ids"] += references
+        self.totals["unique"] += n
+        return Lookup(rows, touched, fresh, init), LookupStats(references, n, 4 * self.dim)
+
+    def initial_rows(self, ids: np.ndarray) -> np.ndarray:
+        """``[n, D]`` float32: the value a hash row starts with for each id."""
+        if self.init == "dense":
+            if ids.min() < 1 or ids.max() >= len(self.dense_rows):
+                raise ConfigError(f"embedding.init='dense': id {int(ids.max())} has no row in the dense table "
+                                  f"(ids 1..{len(self.dense_rows) - 1}); use embedding.init='hashed' for raw ids")
+            return self.dense_rows[ids]
+        return hashed_init(self.seed, ids, self.dim)
+
+    def prepare(self, batches: Sequence[HSTUBatch], step: int, ids: np.ndarray | None = None,
+                references: int | None = None) -> tuple[list[HSTUBatch], LookupStats]:
+        """The micro-batches of one step rewritten to local ids, each carrying the step's
+        ``Lookup``. ``ids``/``references`` (the global batch's, in a data-parallel run) default to
+        those of ``batches``."""
+        if ids is None:
+            ids, references = unique_ids([a for b in batches for a in batch_ids(b)])
+        lookup, stats = self.plan(ids, references, step)
+        return [localize(b, ids, lookup) for b in batches], stats
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_rows(self, ids) -> np.ndarray:
+        """Rows of ``ids`` without inserting (0 = not in the table: reads the zero padding row)."""
+        ids = np.asarray(ids)
+        if self.table is None:
+            return ids.astype(np.int32)
+        return self.table.lookup(ids.astype(np.int64).ravel()).reshape(ids.shape)
+
+    def counters(self) -> dict:
+        """Cumulative counts for metrics.jsonl: lookups before/after dedup and, for a hash
+        table, inserts, evictions, hit rate and occupancy."""
+        out = {"ids": self.totals["ids"], "unique": self.totals["unique"]}
+        if self.table is not None:
+            out.update(self.table.counters())
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """numpy arrays (checkpoint tensors ``host.embedding.*``)."""
+        state = {"totals": np.asarray([self.totals[k] for k in ("steps", "ids", "unique")], np.int64)}
+        if self.table is not None:
+            state["table"] = self.table.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        steps, ids, unique = (int(x) for x in np.asarray(state["totals"]))
+        self.totals = {"steps": steps, "ids": ids, "unique": unique}
+        if self.table is not None:
+            if "table" not in state:
+                raise ValueError("the checkpoint has no hash-table state (it was written with embedding.kind='dense')")
+            self.table.load_state_dict(state["table"])
+
+
+def make_host(cfg: Config, dense_rows: np.ndarray | None = None) -> EmbeddingHost:
+    """The run's ``EmbeddingHost`` (``cfg.model.num_items`` resolved). ``dense_rows``: the dense
+    table's initial rows, computed from ``model.init_params`` when ``embedding.init = "dense"``
+    needs them and none are given."""
+    if cfg.embedding.kind == "hash" and cfg.embedding.init == "dense" and dense_rows is None:
+        from ..model import init_params
+
+        dense_rows = init_params(cfg.model, seed=cfg.train.seed)["item_emb"]
+    return EmbeddingHost(cfg, cfg.model.num_items, dense_rows)
+
+
+def table_params(params: dict, host: EmbeddingHost) -> dict:
+    """``params`` (numpy, ``model.init_params``) with the item table sized for ``host``: a hash
+    table starts as ``host.rows`` zero rows (a row gets its value when an id is assigned to it)."""
+    if host.table is None:
+        return params
+    return {**params, "item_emb": np.zeros((host.rows, host.dim), np.float32)}
