@@ -46,3 +46,19 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     rows = _lines(capsys)
     assert len(rows) == 4 and max(r["vs_fastest"] for r in rows) == 1.0
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_embedding_bench_json(capsys):
+    from benchmarks import embedding
+
+    embedding.run(json_lines=True, quick=True)
+    rows = _lines(capsys)
+    sections = {r["section"] for r in rows}
+    assert sections == {"step", "map", "memory", "dedup"}
+    step_rows = {r["impl"]: r for r in rows if r["section"] == "step"}
+    assert {"nn_embedding_sparse_adam", "dense_lazy_adam", "hash_lazy_adam"} <= set(step_rows)
+    assert all(r["ids_per_s"] > 0 for r in step_rows.values())
+    memory = [r for r in rows if r["section"] == "memory"][0]
+    assert memory["evictions"] == memory["stream_ids"] - memory["capacity"]
+    dedup = [r for r in rows if r["section"] == "dedup"][0]
+    assert dedup["unique_per_step"] < dedup["ids_per_step"] and dedup["reduction"] > 1
