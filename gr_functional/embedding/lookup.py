@@ -35,8 +35,13 @@ from ..errors import ConfigError
 from ..jagged import round_up_capacity
 from .hashtable import HashTable, hashed_init
 
-# Ids up to this value are deduplicated with a bincount (linear time) instead of a sort.
+# Ids are deduplicated and localised with arrays indexed by id (linear time) when the largest id
+# is small against the work (a catalogue like ML-1M's); otherwise by sorting (any int64 id).
 _BINCOUNT_MAX_ID = 1 << 26
+
+
+def _small_ids(largest: int, work: int) -> bool:
+    return largest < min(_BINCOUNT_MAX_ID, max(64 * work, 1 << 16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,7 @@ def unique_ids(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
         return np.zeros(0, np.int64), 0
     hi = max(int(a.max()) for a in flat)
     lo = min(int(a.min()) for a in flat)
-    if 0 <= lo and hi < _BINCOUNT_MAX_ID:
+    if 0 <= lo and _small_ids(hi, sum(a.size for a in flat)):
         counts = np.zeros(hi + 1, np.int64)
         for a in flat:
             counts += np.bincount(a, minlength=hi + 1)
@@ -110,7 +115,7 @@ def _by_search(ids: np.ndarray, x: np.ndarray) -> np.ndarray:
 def _indexer(ids: np.ndarray):
     """``x -> local indices`` for the increasing ``ids``: a table lookup where the ids are small
     (linear time), a binary search otherwise."""
-    if not (len(ids) and ids[0] > 0 and ids[-1] < _BINCOUNT_MAX_ID):
+    if not (len(ids) and ids[0] > 0 and _small_ids(int(ids[-1]), len(ids))):
         return lambda x: _by_search(ids, x)
     lut = np.zeros(int(ids[-1]) + 1, np.int32)
     lut[ids] = np.arange(1, len(ids) + 1, dtype=np.int32)
