@@ -166,6 +166,11 @@ class Backend:
         gradient of a cast is cast back, so fp32 master weights get fp32 gradients)."""
         return self.xp.astype(x, getattr(self.xp, dtype))
 
+    def bitcast(self, x, dtype: str):
+        """The bits of ``x`` reinterpreted as ``dtype`` of the same width (``"int16"`` <->
+        ``"float16"`` / ``"bfloat16"``): 16-bit payloads of a quantised exchange travel as int16."""
+        raise NotImplementedError(f"{self.name}: bitcast is not implemented (the Array API has none)")
+
     def cast_tree(self, tree: Any, dtype: str) -> Any:
         """Every floating leaf of ``tree`` cast to ``dtype``; integer leaves (ids, offsets) unchanged."""
         xp = self.xp

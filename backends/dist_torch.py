@@ -261,6 +261,30 @@ class TorchCollective:
         self._run("all-reduce of the loss", lambda: self._dist.all_reduce(t))
         return t.cpu().numpy().astype(np.float64)
 
+    def exchange_counts(self, send_counts) -> np.ndarray:
+        """``recv[r]`` = what rank r sends this rank, given ``send_counts[r]`` = what this rank
+        sends rank r (int64 [R]): the sizes of an ``all_to_all``."""
+        torch = self._torch
+        send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.device)
+        recv = torch.empty_like(send)
+        self._run("all-to-all of counts", lambda: self._dist.all_to_all_single(recv, send))
+        return recv.cpu().numpy()
+
+    def all_to_all(self, x, send_counts, recv_counts):
+        """Rows of ``x`` (destination-major: ``send_counts[r]`` rows for rank r) to their ranks;
+        returns the rows received (``recv_counts[r]`` from rank r, in rank order). numpy in,
+        numpy out (ids, on the host); a tensor stays a tensor on this rank's device (rows)."""
+        torch = self._torch
+        host = isinstance(x, np.ndarray)
+        t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if host else x.contiguous()
+        wide = t.dtype in (torch.int16, torch.float16, torch.bfloat16) and t.ndim == 2
+        wire = t.view(torch.uint8) if wide else t  # gloo has no 16-bit types: send the bytes
+        out = wire.new_empty((int(np.sum(recv_counts)),) + tuple(wire.shape[1:]))
+        self._run("all-to-all", lambda: self._dist.all_to_all_single(
+            out, wire, [int(c) for c in recv_counts], [int(c) for c in send_counts]))
+        out = out.view(t.dtype) if wide else out
+        return out.cpu().numpy() if host else out
+
     # ------------------------------------------------------------------ step timing
     def start_step(self) -> None:
         """Mark the start of a step's forward+backward (wall and main-thread CPU clocks)."""

@@ -117,6 +117,9 @@ class JaxBackend(Backend):
     def segment_sum(self, data, segment_ids, num_segments: int):
         return self._jax.ops.segment_sum(data, segment_ids, num_segments=num_segments)
 
+    def bitcast(self, x, dtype: str):
+        return self._jax.lax.bitcast_convert_type(x, getattr(self._jax.numpy, dtype))
+
     def set_rows(self, table, rows, values):
         # functional; XLA writes in place when the caller's buffer is donated
         return table.at[rows].set(values)

@@ -141,6 +141,9 @@ class TorchBackend(Backend):
         y = self._torch.nn.functional.silu(x @ w)
         return tuple(self._torch.split(y, list(splits), dim=-1))
 
+    def bitcast(self, x, dtype: str):
+        return x.view(getattr(self._torch, dtype))
+
     def set_rows(self, table, rows, values):
         # in place: the table is donated (base docstring), a multi-GB table is never copied
         with self._torch.no_grad():

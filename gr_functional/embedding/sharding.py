@@ -1,0 +1,248 @@
+"""Row-wise sharding of an embedding table over ranks, served by all-to-all exchanges.
+
+Each id has an owner rank (``owners``: a hash of the id for hash tables, ``id % R`` for dense
+ones); the owner holds its row and the row's optimizer state, and nobody else does. A step on
+rank q that needs the distinct ids ``u_q``:
+
+  1. sends each id to its owner (``all_to_all`` of int64 ids, grouped by destination); the owner
+     deduplicates what all ranks asked for, maps the ids to its rows (inserting / evicting in its
+     shard's ``HashTable``) and gathers them (fresh rows at their initial value);
+  2. sends each requester the rows it asked for (the reverse all-to-all of ``[n, D]`` rows);
+  3. after the backward, sends the rows' gradients to the owners, which SUM them per id (the
+     same sum an all-reduce of a replicated table's gradient gives) and apply the row-sparse
+     optimizer to their rows.
+
+``hierarchical`` makes the exchange two-level (TurboGR's hierarchical all-to-all): ranks
+``[n*G, (n+1)*G)`` form node n (G = ``node_size``); an id first travels inside its node to the rank whose local index
+is the owner's (which merges the node's duplicate requests), then across nodes between ranks of
+the same local index, so each id crosses the network at most once per node, and gradients are
+pre-summed inside the node. ``precision`` "fp16" / "bf16" sends rows and gradients as 16-bit
+values with one fp32 scale per row (``encode``), halving the exchanged bytes.
+
+Every hop counts its bytes (``ShardedTable.bytes``), split into intra-node and inter-node by
+``node_size`` (every rank its own node when 0), for ``grf bench embedding``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..config import OptimConfig
+from ..tree import tree_map
+from . import rowopt
+from .hashtable import HashTable, hashed_init, mix64
+
+_OWNER_SALT = np.uint64(0x2545F4914F6CDD1D)
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def owners(ids, world: int, kind: str = "hash") -> np.ndarray:
+    """The owner rank of each id: ``id % world`` for a dense table (rows spread evenly),
+    a salted splitmix64 hash of the id for a hash table (any int64 id)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if kind == "dense":
+        return ids % world
+    return (mix64(ids.view(np.uint64) ^ _OWNER_SALT) % np.uint64(world)).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- one hop
+@dataclasses.dataclass
+class Hop:
+    """One all-to-all hop of a request, as both ends see it.
+
+    Sender side: ``order`` (its items in destination-major order: ``items[order]`` is what it
+    sends), ``send[R]`` items per destination. Receiver side: ``recv[R]`` items per source,
+    ``unique`` (the distinct ids received, sorted) and ``inverse`` (each received item's index in
+    ``unique``)."""
+
+    order: np.ndarray
+    send: np.ndarray
+    recv: np.ndarray
+    unique: np.ndarray
+    inverse: np.ndarray
+
+
+def _hop(comm, ids: np.ndarray, dest: np.ndarray, world: int) -> Hop:
+    order = np.argsort(dest, kind="stable")
+    send = np.bincount(dest, minlength=world).astype(np.int64)
+    recv = comm.exchange_counts(send)
+    got = comm.all_to_all(ids[order], send, recv)
+    unique, inverse = np.unique(np.asarray(got, dtype=np.int64), return_inverse=True)
+    return Hop(order, send, recv, unique, inverse.reshape(-1))
+
+
+def encode(B, rows, precision: str):
+    """``(payload, scale)``: rows ``[n, D]`` as 16-bit values of ``rows / scale`` (``scale[n]`` =
+    the row's max |value|, 1 for a zero row), the payload viewed as int16 so any transport
+    carries it; fp32 sends the rows themselves (scale None)."""
+    if precision == "fp32":
+        return rows, None
+    xp = B.xp
+    scale = xp.max(xp.abs(rows), axis=1)
+    scale = xp.where(scale > 0, scale, xp.ones_like(scale))
+    low = B.cast(rows / xp.reshape(scale, (-1, 1)), "float16" if precision == "fp16" else "bfloat16")
+    return B.bitcast(low, "int16"), scale
+
+
+def decode(B, payload, scale, precision: str):
+    """Inverse of ``encode`` (fp32 rows)."""
+    if precision == "fp32":
+        return payload
+    low = B.bitcast(payload, "float16" if precision == "fp16" else "bfloat16")
+    return B.cast(low, "float32") * B.xp.reshape(scale, (-1, 1))
+
+
+# ----------------------------------------------------------------------------- the shard
+@dataclasses.dataclass
+class Pending:
+    """What ``ShardedTable.lookup`` leaves for ``update``: the hops, and the owner's rows."""
+
+    hops: list
+    rows: np.ndarray        # owner: shard rows of the last hop's unique ids (0 = not admitted)
+    fresh: np.ndarray       # owner: rows (re)initialised by this lookup
+    values: object          # owner: their values as looked up [n, D] (fresh rows at their init)
+
+
+class ShardedTable:
+    """This rank's shard of a row-sharded table (``owners`` decides the rows it holds) and the
+    exchange serving every rank's lookups. The shard of a hash table has ``ceil(capacity / R)``
+    rows; of a dense table ``num_items // R + 2``. New rows start as the unsharded table's would
+    (``hashed_init`` of the id, or ``dense_rows[id]``), so sharded == unsharded."""
+
+    def __init__(self, B, comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
+                 policy: str = "lru", min_count: int = 1, optimizer: str = "lazy_adam", dense_rows=None,
+                 node_size: int = 0, hierarchical: bool = False, precision: str = "fp32"):
+        R = comm.world_size
+        if precision not in PRECISIONS:
+            raise ValueError(f"exchange precision {precision!r} is not one of {PRECISIONS}")
+        if node_size and R % node_size:
+            raise ValueError(f"node_size={node_size} must divide the world size {R}")
+        if hierarchical and not node_size:
+            raise ValueError("a hierarchical exchange needs node_size (ranks per node)")
+        self.B, self.comm, self.kind, self.dim, self.seed = B, comm, kind, dim, seed
+        self.world, self.rank, self.optimizer = R, comm.rank, optimizer
+        self.node_size, self.hierarchical, self.precision = node_size, hierarchical, precision
+        self.dense_rows = dense_rows
+        if kind == "hash":
+            self.table = HashTable(math.ceil((capacity or num_items) / R), policy=policy, min_count=min_count,
+                                   seed=seed)
+            n_rows = self.table.capacity + 1
+        else:
+            self.table = None
+            n_rows = num_items // R + 2
+        values = np.zeros((n_rows, dim), np.float32)
+        if kind == "dense":
+            mine = np.arange(self.rank, num_items + 1, R)
+            mine = mine[mine > 0]
+            values[self._dense_rows_of(mine)] = dense_rows[mine]
+        self.values = B.asarray(values)
+        self.state = rowopt.init_row_state(B, optimizer, n_rows, dim)
+        self.bytes = dict.fromkeys(("ids_intra", "ids_inter", "rows_intra", "rows_inter", "grads_intra",
+                                    "grads_inter"), 0)
+
+    def _dense_rows_of(self, ids: np.ndarray) -> np.ndarray:
+        return (ids // self.world + 1).astype(np.int32)
+
+    # ------------------------------------------------------------------ routes
+    def _node(self, ranks):
+        return np.asarray(ranks) // (self.node_size or 1)
+
+    def _count(self, what: str, counts: np.ndarray, row_bytes: int) -> None:
+        same = self._node(np.arange(self.world)) == self._node(self.rank)
+        self.bytes[f"{what}_intra"] += int(counts[same].sum()) * row_bytes
+        self.bytes[f"{what}_inter"] += int(counts[~same].sum()) * row_bytes
+
+    def _route(self, ids: np.ndarray) -> list:
+        """The hops carrying ``ids`` (this rank's distinct ids) to their owners."""
+        own = owners(ids, self.world, self.kind)
+        if self.hierarchical:
+            G = self.node_size
+            hop1 = _hop(self.comm, ids, self._node(self.rank) * G + own % G, self.world)
+            self._count("ids", hop1.send, 8)
+            hop2 = _hop(self.comm, hop1.unique, owners(hop1.unique, self.world, self.kind), self.world)
+            self._count("ids", hop2.send, 8)
+            return [hop1, hop2]
+        hop = _hop(self.comm, ids, own, self.world)
+        self._count("ids", hop.send, 8)
+        return [hop]
+
+    def _row_bytes(self) -> int:
+        return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
+
+    def _back(self, hop: Hop, values):
+        """Rows for ``hop.unique`` back to the senders; returns them in the sender's item order."""
+        B = self.B
+        expanded = B.gather_rows(values, B.asarray(hop.inverse.astype(np.int32)))
+        payload, scale = encode(B, expanded, self.precision)
+        self._count("rows", hop.recv, self._row_bytes())
+        got = self.comm.all_to_all(payload, hop.recv, hop.send)
+        got_scale = None if scale is None else self.comm.all_to_all(scale, hop.recv, hop.send)
+        arrived = decode(B, got, got_scale, self.precision)
+        inv = np.empty_like(hop.order)
+        inv[hop.order] = np.arange(len(hop.order))
+        return B.gather_rows(arrived, B.asarray(inv.astype(np.int32)))
+
+    def _forward_grads(self, hop: Hop, grads):
+        """Gradients in the sender's item order to the receivers, summed there per unique id."""
+        B = self.B
+        sent = B.gather_rows(grads, B.asarray(hop.order.astype(np.int32)))
+        payload, scale = encode(B, sent, self.precision)
+        self._count("grads", hop.send, self._row_bytes())
+        got = self.comm.all_to_all(payload, hop.send, hop.recv)
+        got_scale = None if scale is None else self.comm.all_to_all(scale, hop.send, hop.recv)
+        arrived = decode(B, got, got_scale, self.precision)
+        return B.segment_sum(arrived, B.asarray(hop.inverse.astype(np.int32)), len(hop.unique))
+
+    # ------------------------------------------------------------------ a step
+    def lookup(self, ids, step: int):
+        """``(rows[U, D], pending)``: the rows of this rank's distinct non-zero ``ids`` (int64,
+        sorted), from their owners. Collective: every rank calls it once per step."""
+        B, xp = self.B, self.B.xp
+        ids = np.asarray(ids, dtype=np.int64)
+        hops = self._route(ids)
+        mine = hops[-1].unique
+        fresh = np.zeros(len(mine), bool)
+        if self.table is None:
+            rows = self._dense_rows_of(mine)
+        else:
+            got = self.table.assign(mine, step)
+            rows, fresh = got.rows, got.fresh
+        values = B.gather_rows(self.values, B.asarray(rows))
+        if fresh.any():
+            init = np.zeros((len(mine), self.dim), np.float32)
+            init[fresh] = (hashed_init(self.seed, mine[fresh], self.dim) if self.dense_rows is None
+                           else self.dense_rows[mine[fresh]])
+            values = xp.where(xp.reshape(B.asarray(fresh), (-1, 1)), B.asarray(init), values)
+        out = values
+        for hop in reversed(hops):
+            out = self._back(hop, out)
+        return out, Pending(hops, rows, fresh, values)
+
+    def update(self, pending: Pending, grads, lr, cfg: OptimConfig, ok=True) -> None:
+        """Push this rank's row gradients ``grads[U, D]`` (``lookup``'s order) to the owners,
+        which sum them per id and apply the row-sparse optimizer to their rows (``ok`` False:
+        a skipped step, only fresh rows' initial values are written). Collective."""
+        B, xp = self.B, self.B.xp
+        g = grads
+        for hop in pending.hops:
+            g = self._forward_grads(hop, g)
+        rows = B.asarray(pending.rows)
+        touched = B.asarray(pending.rows > 0)
+        fresh = B.asarray(pending.fresh)
+        old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),
+                             rowopt.gather_state(B, self.state, rows))
+        new, new_state = rowopt.row_update(B, self.optimizer, pending.values, g, old_state, touched, lr, cfg)
+        ok = B.asarray(ok) if isinstance(ok, bool) else ok
+        keep = lambda n, o: xp.where(ok, n, o)  # noqa: E731
+        self.values = B.set_rows(self.values, rows, keep(new, pending.values))
+        self.state = rowopt.scatter_state(B, self.state, rows, tree_map(keep, new_state, old_state))
+
+    # ------------------------------------------------------------------ reading
+    def rows_of(self, ids) -> np.ndarray:
+        """This shard's values (numpy) of ids it owns and holds (zeros for others)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = self._dense_rows_of(ids) if self.table is None else self.table.lookup(ids)
+        rows = np.where(owners(ids, self.world, self.kind) == self.rank, rows, 0)
+        return self.B.to_numpy(self.B.gather_rows(self.values, self.B.asarray(rows.astype(np.int32))))
