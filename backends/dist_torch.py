@@ -261,6 +261,12 @@ class TorchCollective:
         self._run("all-reduce of the loss", lambda: self._dist.all_reduce(t))
         return t.cpu().numpy().astype(np.float64)
 
+    def gather(self, obj: Any) -> list | None:
+        """Every rank's ``obj`` on rank 0 (a list in rank order; None elsewhere)."""
+        box = [None] * self.world_size if self.is_main else None
+        self._run("gather to rank 0", lambda: self._dist.gather_object(obj, box, dst=0))
+        return box
+
     def exchange_counts(self, send_counts) -> np.ndarray:
         """``recv[r]`` = what rank r sends this rank, given ``send_counts[r]`` = what this rank
         sends rank r (int64 [R]): the sizes of an ``all_to_all``."""
@@ -299,20 +305,24 @@ class TorchCollective:
                 time.perf_counter() - self.last_backward_end)
 
     # ------------------------------------------------------------------ gradients
-    def value_and_grad(self, B, f: Callable, has_aux: bool = False) -> Callable:
+    def value_and_grad(self, B, f: Callable, has_aux: bool = False, local: tuple = ()) -> Callable:
         """``g(params, *args, prior=None) -> (value, grads)``: ``B.value_and_grad(f)`` with the
         gradients SUM-all-reduced over ranks. Each leaf's hook (fired by autograd when that
         leaf's gradient is complete) adds ``prior[path]`` (gradients of earlier local
         micro-batches) and, once a bucket's leaves are all in, launches its async all-reduce,
         so communication overlaps the rest of backward (gloo runs it on its own threads).
         ``self.last_backward_end`` / ``last_backward_cpu`` hold the ``perf_counter`` and main-thread
-        ``thread_time`` when backward finished."""
+        ``thread_time`` when backward finished. Leaves whose path is in ``local`` (a row-sharded
+        table's rows: their gradients go to the rows' owners instead) are not reduced: their
+        gradients come back local (plus ``prior``)."""
         torch = self._torch
 
         def wrapped(params, *args, prior=None, **kwargs):
             with torch.enable_grad():
                 leaves = tree_map(lambda p: p.detach().requires_grad_(p.is_floating_point()), params)
-                pairs = [(path, leaf) for path, leaf in tree_items(leaves) if leaf.requires_grad]
+                every = [(path, leaf) for path, leaf in tree_items(leaves) if leaf.requires_grad]
+                pairs = [(path, leaf) for path, leaf in every if path not in local]
+                kept = [(path, leaf) for path, leaf in every if path in local]
                 prior_map = dict(tree_items(prior)) if prior is not None else None
                 reducer = _Reducer(self, [p for p, _ in pairs], [leaf for _, leaf in pairs], prior_map)
                 handles = [leaf.register_hook(reducer.hook(i)) for i, (_, leaf) in enumerate(pairs)]
@@ -322,7 +332,8 @@ class TorchCollective:
                         time.sleep(delay)  # test-only GRF_FAULT_SLOW_STEP: a slow but healthy step
                     out = f(leaves, *args, **kwargs)
                     loss, aux = out if has_aux else (out, None)
-                    grads = torch.autograd.grad(loss, [leaf for _, leaf in pairs], allow_unused=True)
+                    all_grads = torch.autograd.grad(loss, [leaf for _, leaf in pairs + kept], allow_unused=True)
+                    grads, kept_grads = all_grads[:len(pairs)], all_grads[len(pairs):]
                 finally:
                     for h in handles:
                         h.remove()
@@ -332,6 +343,9 @@ class TorchCollective:
             if self._ready_order is None:
                 self._ready_order = reducer.ready_order()
             by_path = dict(zip([p for p, _ in pairs], reduced))
+            for (path, leaf), g in zip(kept, kept_grads):
+                g = torch.zeros_like(leaf) if g is None else g.detach()
+                by_path[path] = g + prior_map[path] if prior_map is not None and path in prior_map else g
             grad_tree = tree_map_with_path(lambda path, leaf: by_path.get(path, torch.zeros_like(leaf)), leaves)
             detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
             value = (loss.detach(), tree_map(detach, aux)) if has_aux else loss.detach()

@@ -35,6 +35,8 @@ EmbeddingKind = Literal["dense", "hash"]
 EvictionPolicy = Literal["lru", "lfu"]
 EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
 HashInit = Literal["hashed", "dense"]
+Sharding = Literal["replicated", "row"]
+ExchangePrecision = Literal["fp32", "fp16", "bf16"]
 
 
 def choices(literal) -> tuple[str, ...]:
@@ -316,6 +318,13 @@ class EmbeddingConfig:
     # resume); "dense" (the row the dense table would have for that id; ids must be 1..num_items:
     # for A/B comparisons of the table kind on a catalogue-sized id space).
     init: HashInit = "hashed"
+    # Where the rows live in a data-parallel run: "replicated" (every rank holds the whole table
+    # and maps the global batch's ids) or "row" (each rank holds the rows of the ids it owns,
+    # embedding/sharding.py; lookups and gradients travel by all-to-all). One process: replicated.
+    sharding: Sharding = "replicated"
+    node_size: int = _range(0, ge=0)  # ranks per node (hierarchical groups, intra/inter byte split); 0 = 1
+    hierarchical: bool = False        # two-level all-to-all: inside the node first, then across nodes
+    exchange: ExchangePrecision = "fp32"  # exchanged rows and gradients; 16-bit ones carry a scale per row
 
 
 @dataclass(frozen=True)
@@ -495,6 +504,14 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         fail("embedding", "optimizer", "AdamW updates every row of the table at every step; a hash table is "
                                        "updated by rows: use 'lazy_adam' (Adam semantics per row) or "
                                        "'rowwise_adagrad'")
+    if emb.sharding == "row" and emb.optimizer == "adamw":
+        fail("embedding", "sharding", "row-sharded tables are updated by rows: set embedding.optimizer to "
+                                      "'lazy_adam' or 'rowwise_adagrad'")
+    if emb.hierarchical and emb.node_size < 1:
+        fail("embedding", "hierarchical", "a hierarchical exchange groups ranks by node: set embedding.node_size "
+                                          "(ranks per node, dividing dist.nproc)")
+    if emb.node_size and cfg.dist.nproc > 1 and cfg.dist.nproc % emb.node_size:
+        fail("embedding", "node_size", f"must divide dist.nproc={cfg.dist.nproc}")
     if emb.kind == "dense" and emb.capacity:
         fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
                                       "applies to embedding.kind = 'hash'")

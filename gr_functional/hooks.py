@@ -178,12 +178,13 @@ class RankSteps:
     """Steps of one rank of a data-parallel run: its share of each global batch; gradients are
     all-reduced inside the step (``train.make_dist_train_step``)."""
 
-    def __init__(self, B, cfg: Config, loader, comm, host=None):
-        from .train import make_dist_train_step
+    def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
+        from .train import make_dist_train_step, make_sharded_dist_step
 
         self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
-        self.host = host if host is not None and host.sparse else None
-        self.fn = make_dist_train_step(B, cfg, comm)
+        self.host = host if host is not None and host.sparse and shard is None else None
+        self.shard, self.log_every = shard, cfg.train.log_every
+        self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
 
     def batches(self, epoch: int, start: int):
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
@@ -194,6 +195,8 @@ class RankSteps:
         self.comm.step = step
         self.comm.progress("step")
         batches, stats = [rb.batch for rb in micro], None
+        if self.shard is not None:
+            return self._run_sharded(params, opt_state, micro, step, epoch)
         if self.host is not None:
             # every rank maps the ids of the whole global step (the same rows everywhere)
             from .embedding.lookup import unique_ids
@@ -210,11 +213,43 @@ class RankSteps:
             rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=_lookup_record(self.host, stats))
 
 
-def make_steps(B, cfg: Config, loader, comm, host=None):
+    def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):
+        """A step with a row-sharded table: this rank's ids (not the global batch's) are looked
+        up from their owners; the table's counters are summed over ranks on logged steps."""
+        from .embedding.lookup import LookupStats, batch_ids, localize, unique_ids
+
+        B, xp = self.B, self.B.xp
+        ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
+        batches = [localize(rb.batch, ids) for rb in micro]
+        rows, pending = self.shard.lookup(ids, step)
+        rows = xp.concat([xp.zeros((1, rows.shape[1]), dtype=rows.dtype, device=B.array_device), rows], axis=0)
+        dev = [B.asarray_tree(b) for b in batches]
+        params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
+                                       sum(rb.global_tokens for rb in micro), rows, pending)
+        record = None
+        if step % self.log_every == 0:
+            c = self.shard.table.counters() if self.shard.table is not None else {}
+            keys = [k for k in ("lookups", "hits", "inserts", "evictions", "rejected", "overflow", "occupancy") if k in c]
+            total = self.comm.all_reduce_sum([refs, len(ids), *(c[k] for k in keys), *self.shard.bytes.values()])
+            stats = LookupStats(int(total[0]), int(total[1]), 4 * rows.shape[1])
+            table = {k: int(v) for k, v in zip(keys, total[2:2 + len(keys)])}
+            if table:
+                table.update(capacity=self.shard.table.capacity * self.comm.world_size,
+                             hit_rate=table["hits"] / table["lookups"] if table["lookups"] else 0.0)
+            record = {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
+                      "bytes_after": stats.bytes_after, "table": table,
+                      "exchange": {k: int(v) for k, v in zip(self.shard.bytes, total[2 + len(keys):])}}
+        return params, opt_state, StepResult(
+            step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),
+            rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
+            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=record)
+
+
+def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
     """The step runner of this process: one place chooses between one process and one rank."""
     if comm.world_size == 1:
         return LocalSteps(B, cfg, loader, host)
-    return RankSteps(B, cfg, loader, comm, host)
+    return RankSteps(B, cfg, loader, comm, host, shard)
 
 
 @dataclasses.dataclass
@@ -379,9 +414,12 @@ class Evaluation(Hook):
     """Valid and test metrics every ``train.eval_every`` epochs and after the last, on rank 0
     (the other ranks count its two metrics.jsonl lines); non-finite scores abort (``Diverged``)."""
 
-    def __init__(self, evaluate: Callable, splits, candidates, scorer, ckdir):
+    def __init__(self, evaluate: Callable, splits, candidates, scorer, ckdir, view: Callable | None = None):
         self.evaluate, self.splits, self.candidates, self.scorer, self.ckdir = (evaluate, splits, candidates,
                                                                                  scorer, ckdir)
+        # view(run) -> (params, host) to evaluate, called on EVERY rank (a row-sharded table is
+        # gathered to rank 0 there); default: the run's params and no host
+        self.view = view
 
     def on_epoch_end(self, run: Run, record: dict) -> None:
         from .errors import Diverged
@@ -389,13 +427,15 @@ class Evaluation(Hook):
         epoch, state = record["epoch"], run.state
         if not ((epoch + 1) % run.cfg.train.eval_every == 0 or run.last_epoch):
             return
+        params, host = self.view(run) if self.view is not None else (run.params, None)
         if not run.is_main:
             run.log.lines += 2  # rank 0 writes the valid and test lines
             return
         for name in ("valid", "test"):
             try:
-                record[name] = self.evaluate(run.B, run.params, run.cfg, getattr(self.splits, name), self.candidates,
-                                             self.scorer, on_batch=lambda: run.comm.progress("eval"))
+                extra = {"host": host} if host is not None else {}
+                record[name] = self.evaluate(run.B, params, run.cfg, getattr(self.splits, name), self.candidates,
+                                             self.scorer, on_batch=lambda: run.comm.progress("eval"), **extra)
             except Diverged as exc:
                 run.log.write({"kind": "abort", "step": state.step, "epoch": epoch,
                                "reason": f"non-finite {name} scores"})

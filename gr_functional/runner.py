@@ -55,6 +55,7 @@ from .runlock import RunLock, RunLocked
 from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, advice, bad_step, builtin_hooks, last_healthy,
                     make_steps, named_hooks)
 from .embedding.lookup import make_host, table_params
+from .embedding.sharding import assemble_table, make_sharded
 from .train import init_loss_scale, init_opt_state, make_scorer
 from .tree import tree_items
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
@@ -333,6 +334,11 @@ def _say(message: str) -> None:
     print(f"grf: {message}", file=sys.stderr, flush=True)
 
 
+def _dense_rows(cfg: Config):
+    """The dense table's initial rows (a sharded dense table, or a hash table with init = "dense")."""
+    return model.init_params(cfg.model, seed=cfg.train.seed)["item_emb"]
+
+
 def _missing_host(ck: Checkpoint):
     raise CheckpointError(f"checkpoint {ck.path} has no embedding table state (host.embedding.*) although its config "
                           f"uses embedding.optimizer={ck.config.embedding.optimizer!r}; the file is incomplete")
@@ -387,6 +393,8 @@ def check_param_shapes(ck: Checkpoint) -> None:
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
     cfg = ck.config
     expected = model.param_shapes(cfg.model, table_items(cfg))
+    if "shards" in ((ck.host or {}).get("embedding") or {}):
+        expected.pop("item_emb")  # a row-sharded table: its rows are in host.embedding.shards
     trees = [("params", ck.params, expected)]
     moments = {k: v for k, v in expected.items() if not (k == "item_emb" and cfg.embedding.optimizer != "adamw")}
     if ck.opt_state is not None:
@@ -610,12 +618,23 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                 ev["moved_to"] = str(moved)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+    sharded = cfg.embedding.sharding == "row" and comm.world_size > 1
+    shard = None
     if restored is not None:
         params = B.asarray_tree(restored.params)
         opt_state = _restore_opt_state(B, restored.opt_state, cfg)
         host = make_host(cfg)
-        if host.sparse:
-            host.load_state_dict((restored.host or {}).get("embedding") or _missing_host(restored))
+        saved = (restored.host or {}).get("embedding") or {}
+        if ("shards" in saved) != sharded:
+            raise CheckpointError(f"checkpoint {restored.path} holds a {'row-sharded' if 'shards' in saved else 'whole'} "
+                                  f"item table but this run {'shards' if sharded else 'does not shard'} it "
+                                  f"(embedding.sharding={cfg.embedding.sharding!r} with {comm.world_size} process(es)); "
+                                  f"resume with the original number of processes or start with --fresh")
+        if sharded:
+            shard = make_sharded(B, cfg, comm, _dense_rows(cfg))
+            shard.load(saved["shards"])
+        elif host.sparse:
+            host.load_state_dict(saved or _missing_host(restored))
         state = RunState.from_meta(restored.meta["run"])
         log = JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines) if main else _NullLog()
         if not main:
@@ -629,7 +648,10 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     else:
         dense = model.init_params(cfg.model, seed=cfg.train.seed)
         host = make_host(cfg, dense["item_emb"])
-        params = B.asarray_tree(table_params(dense, host))
+        if sharded:  # the rows live in the shards; the params are the dense ones
+            shard = make_sharded(B, cfg, comm, dense["item_emb"])
+            dense = {k: v for k, v in dense.items() if k != "item_emb"}
+        params = B.asarray_tree(table_params(dense, host) if not sharded else dense)
         opt_state = init_opt_state(B, params, cfg)
         state = RunState()
         log = JsonLog(out / "metrics.jsonl") if main else _NullLog()
@@ -643,7 +665,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         timing.write({**ev, "time": time.time()})
 
     tc = cfg.train
-    steps = make_steps(B, cfg, train_loader, comm, host)
+    steps = make_steps(B, cfg, train_loader, comm, host, shard)
     epoch, start = train_loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None  # no batches left: only the epoch's end
@@ -653,6 +675,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     def save(reason: str, epoch_of: int) -> Path | None:
         log.sync()
         state.metrics_lines = log.lines
+        shards = comm.gather(shard.export()) if shard is not None else None  # every rank takes part
         if not main:
             return None  # rank 0 writes the (identical) state
         comm.progress("checkpoint")
@@ -665,8 +688,9 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                         "position": list(train_loader.position)},
                 "world_size": comm.world_size}
         try:
-            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta,
-                              host={"embedding": host.state_dict()} if host.sparse else None)
+            saved_host = ({"embedding": {"shards": shards}} if shard is not None else
+                          {"embedding": host.state_dict()} if host.sparse else None)
+            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta, host=saved_host)
         except NonFiniteState as exc:  # the step guard should make this unreachable: never write it
             raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
         timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
@@ -680,7 +704,17 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
     run = Run(cfg=cfg, out=out, B=B, comm=comm, state=state, log=log, timing=timing, loader=train_loader,
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=params,
               opt_state=opt_state, run_start=time.perf_counter())
-    evaluation = Evaluation(partial(evaluate, host=host), splits, data.candidates, make_scorer(B, cfg), ckdir)
+    if shard is not None:
+        def view(run):  # the shards gathered to rank 0, as one table
+            shards = comm.gather(shard.export())
+            if not main:
+                return None, None
+            table, table_host = assemble_table(cfg, shards)
+            return {**run.params, "item_emb": B.asarray(table)}, table_host
+
+        evaluation = Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir, view=view)
+    else:
+        evaluation = Evaluation(partial(evaluate, host=host), splits, data.candidates, make_scorer(B, cfg), ckdir)
     hooks = [*builtin_hooks(cfg, out, main, evaluation), *named_hooks(cfg.train.hooks), *extra_hooks]
 
     def finished() -> bool:
@@ -779,8 +813,12 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     B = make_backend(cfg)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
     host = make_host(cfg)
-    if host.sparse:
-        host.load_state_dict((ck.host or {}).get("embedding") or _missing_host(ck))
+    saved = (ck.host or {}).get("embedding") or {}
+    if "shards" in saved:
+        table, host = assemble_table(cfg, saved["shards"])
+        params_np = {**params_np, "item_emb": table}
+    elif host.sparse:
+        host.load_state_dict(saved or _missing_host(ck))
     result = evaluate(B, B.asarray_tree(params_np), cfg, getattr(splits, split), data.candidates, host=host)
     return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"),
             "epoch": meta.get("epoch"), "dataset": data.name}

@@ -63,7 +63,7 @@ def init_opt_state(B, params: dict, cfg: Config) -> dict:
     scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``. With a
     row-sparse embedding optimizer, AdamW covers the dense parameters only and ``"rows"`` holds
     the table's per-row state (``embedding.rowopt.init_row_state``)."""
-    if row_sparse(cfg):
+    if row_sparse(cfg) and TABLE in params:  # (a row-sharded table keeps its state in its shards)
         table = params[TABLE]
         state = adamw_init(B, _dense(params))
         state["rows"] = rowopt.init_row_state(B, cfg.embedding.optimizer, table.shape[0], table.shape[1])
@@ -161,7 +161,8 @@ def update_health(B, params: dict, new_params: dict, new_adam: dict):
     return finite, ratio
 
 
-def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None):
+def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None,
+                 others_ok=None):
     """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``.
 
     The update is applied only when the loss, every gradient and the update itself are finite
@@ -172,10 +173,13 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     With a ``lookup`` (row-sparse embeddings), ``grads`` are those of ``view`` (``local_params``:
     the table replaced by the step's rows): dense parameters get AdamW, the looked-up rows the
     row-sparse optimizer (``sparse_update``), and the norms of the guard cover the dense
-    parameters and the looked-up rows (not the untouched rest of the table)."""
+    parameters and the looked-up rows (not the untouched rest of the table). ``others_ok``: gradients
+    not in ``grads`` are finite too (a row-sharded table's, checked on every rank)."""
     xp = B.xp
     loss_ok = xp.isfinite(loss)
     grads_ok = xp.logical_and(loss_ok, all_finite(B, grads))
+    if others_ok is not None:
+        grads_ok = xp.logical_and(grads_ok, others_ok)
     adam = {k: opt_state[k] for k in _ADAM_KEYS}
     if lookup is None:
         new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
@@ -370,6 +374,50 @@ def make_dist_train_step(B, cfg: Config, comm):
         metrics.update(compute_s=compute, wait_s=wait,
                        rank_compute_s=[float(x) for x in row[1:1 + R]],
                        rank_cpu_s=[float(x) for x in row[1 + R:]])
+        return params, opt_state, metrics
+
+    return step
+
+
+def make_sharded_dist_step(B, cfg: Config, comm, table):
+    """``step(params, opt_state, micro, tokens, global_tokens, rows, pending)`` for one rank of a
+    data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
+    ``table``: this rank's ``embedding.sharding.ShardedTable``).
+
+    ``params`` holds the dense parameters only; ``rows[U + 1, D]`` are the rows of this rank's
+    micro-batches' ids (local index 0 the zero padding row), looked up from their owners
+    (``table.lookup``, which left ``pending``). Dense gradients are all-reduced as in
+    ``make_dist_train_step``; the rows' gradients stay local and go to the owners
+    (``table.update``), which sum them over ranks and apply the row-sparse optimizer. The step
+    is skipped everywhere when any rank's row gradients are not finite. Dense AdamW and the guard
+    see the dense parameters (the update ratio leaves the rows out)."""
+    loss_fn = partial(_loss, B, cfg=cfg)
+    local_vg = B.value_and_grad(loss_fn, has_aux=True)
+    reduced_vg = comm.value_and_grad(B, loss_fn, has_aux=True, local=(TABLE,))
+    R = comm.world_size
+    ocfg = dataclasses.replace(cfg.optim, lr=cfg.embedding.lr or cfg.optim.lr)
+
+    def step(params, opt_state, micro, tokens, global_tokens, rows, pending):
+        xp = B.xp
+        comm.start_step()
+        scales = rank_scales(tokens, global_tokens, R)
+        view = {**params, TABLE: rows}
+        loss_part, grads = rank_grads(B, view, opt_state, list(micro), scales, cfg, vg=local_vg, last_vg=reduced_vg)
+        row_grads = grads.pop(TABLE)[1:]
+        compute, cpu, wait = comm.step_times()
+        vec = np.zeros(2 + 2 * R)
+        vec[0] = float(loss_part)
+        vec[1] = 0.0 if bool(all_finite(B, row_grads)) else 1.0
+        vec[2 + comm.rank] = compute
+        vec[2 + R + comm.rank] = cpu
+        vec = comm.all_reduce_sum(vec)
+        loss = B.asarray(vec[0], dtype=B.float_dtype)
+        params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
+                                                  grads, cfg, others_ok=B.asarray(bool(vec[1] == 0)))
+        lr = learning_rate(xp, opt_state["step"], ocfg)  # this update's count (unused when skipped)
+        table.update(pending, row_grads, lr, ocfg, ok=metrics["finite"])
+        metrics.update(compute_s=compute, wait_s=wait, rank_compute_s=[float(x) for x in vec[2:2 + R]],
+                       rank_cpu_s=[float(x) for x in vec[2 + R:]])
         return params, opt_state, metrics
 
     return step

@@ -9,14 +9,16 @@ admitted read it). One ``assign`` call per training step, with the step's distin
   - a present id keeps its row (a hit);
   - an absent id is counted (a count-min sketch, when ``min_count`` > 1) and admitted once seen in
     ``min_count`` steps; admitted ids take free rows (lowest first), then rows evicted from ids
-    NOT used in this step: "lru" the least recently used (smallest last step, then lowest row),
+    NOT used in this step: "lru" the least recently used (smallest last step, then smallest id),
     "lfu" the least frequently used (fewest steps since insertion, then least recent, then
-    lowest row); when nothing is evictable the id reads row 0 this step ("overflow");
+    smallest id); when nothing is evictable the id reads row 0 this step ("overflow");
   - a row given to an id is "fresh": the caller re-initialises its value and optimizer state.
 
 Determinism: the result of a call is a function of the table's state and the call's ids (in
 their order), so a run, its resumed twin (``state_dict``), every backend and every rank map the
-same ids to the same rows. The mapping runs on the host, beside the negatives and dropout masks,
+same ids to the same rows. Which ids are evicted never depends on row numbers (ties break by
+id), so a table rebuilt from its ids and their use statistics (``export`` / ``from_export``, as a
+re-sharded checkpoint does) evicts exactly as the original would. The mapping runs on the host, beside the negatives and dropout masks,
 because ids are data: the model stays a pure function of rows (README "Sparse embeddings" has the
 measurement against a device-side map).
 
@@ -269,13 +271,16 @@ class HashTable:
         n = min(n, len(cand))
         if n == 0:
             return np.zeros(0, np.int32)
+        ids = self.row_id[cand]
         if self.policy == "lru":
-            key = self.last_used[cand] * (self.capacity + 1) + cand  # unique: ties by row
-            pick = np.argpartition(key, n - 1)[:n] if n < len(cand) else np.arange(len(cand))
-            victims = cand[pick[np.argsort(key[pick])]]
+            last = self.last_used[cand]
+            if n < len(cand):  # only the rows at or below the n-th smallest last use can be picked
+                cut = np.partition(last, n - 1)[n - 1]
+                keep = last <= cut
+                cand, ids, last = cand[keep], ids[keep], last[keep]
+            victims = cand[np.lexsort((ids, last))[:n]]
         else:
-            order = np.lexsort((cand, self.last_used[cand], self.count[cand]))
-            victims = cand[order[:n]]
+            victims = cand[np.lexsort((ids, self.last_used[cand], self.count[cand]))[:n]]
         self.map.delete(self.row_id[victims])
         self.live[victims] = False
         self.totals["evictions"] += n
@@ -302,6 +307,33 @@ class HashTable:
         out.update(occupancy=int(self.live.sum()), capacity=self.capacity,
                    hit_rate=self.totals["hits"] / self.totals["lookups"] if self.totals["lookups"] else 0.0)
         return out
+
+    # ------------------------------------------------------------------ row-independent form
+    def export(self) -> dict:
+        """The live ids in row order with their use statistics (``ids``, ``rows``, ``last_used``,
+        ``count``), the sketch and the counters: everything eviction depends on, without row
+        numbers (a re-sharded or merged table is rebuilt from it with ``import_ids``)."""
+        rows = self.live_rows()
+        out = {"ids": self.row_id[rows].copy(), "rows": rows.astype(np.int32), "last_used": self.last_used[rows].copy(),
+               "count": self.count[rows].copy(), "totals": np.asarray([self.totals[k] for k in _COUNTERS], np.int64)}
+        if self.sketch is not None:
+            out["sketch"] = self.sketch.table.copy()
+        return out
+
+    def import_ids(self, ids, last_used, count) -> np.ndarray:
+        """Insert ``ids`` (absent, distinct) with their use statistics into free rows, in the
+        given order; returns their rows. The table then evicts as the exporting one would."""
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = self._free_rows(len(ids))
+        if len(rows) < len(ids):
+            raise ValueError(f"import of {len(ids)} ids into a table with {len(rows)} free rows "
+                             f"(capacity {self.capacity})")
+        self.map.put(ids, rows)
+        self.row_id[rows] = ids
+        self.live[rows] = True
+        self.last_used[rows] = last_used
+        self.count[rows] = count
+        return rows
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> np.ndarray:

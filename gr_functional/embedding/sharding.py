@@ -239,6 +239,53 @@ class ShardedTable:
         self.values = B.set_rows(self.values, rows, keep(new, pending.values))
         self.state = rowopt.scatter_state(B, self.state, rows, tree_map(keep, new_state, old_state))
 
+    # ------------------------------------------------------------------ checkpoints
+    def export(self) -> dict:
+        """This shard as numpy, without row numbers: ``ids`` (in row order), ``values[L, D]``,
+        ``state`` (per-row optimizer state), and for a hash shard ``last_used``, ``count``,
+        ``totals`` (its counters) and ``sketch``. Checkpoints keep one per rank; ``load`` rebuilds
+        any number of shards from them."""
+        B = self.B
+        if self.table is None:
+            ids = np.arange(self.rank, self.dense_rows.shape[0], self.world, dtype=np.int64)
+            ids = ids[ids > 0]
+            rows = self._dense_rows_of(ids)
+            out = {}
+        else:
+            out = self.table.export()
+            ids, rows = out.pop("ids"), out.pop("rows")
+        r = B.asarray(rows.astype(np.int32))
+        out.update(ids=ids, values=B.to_numpy(B.gather_rows(self.values, r)),
+                   state={k: B.to_numpy(B.gather_rows(v, r)) for k, v in self.state.items()})
+        return out
+
+
+    def load(self, shards: list) -> None:
+        """Take this rank's rows from ``shards`` (every old rank's ``export``, any world size): the
+        ids this rank owns, in (old rank, old row) order, with their values, optimizer state and
+        use statistics. With the same world size the shard comes back exactly (sketch, counters);
+        after re-sharding the counters start from the old totals on rank 0 and the admission
+        sketches are summed (a count-min sketch may only over-count)."""
+        B = self.B
+        cat = lambda key: np.concatenate([np.asarray(s[key]) for s in shards])  # noqa: E731
+        ids = cat("ids").astype(np.int64)
+        mine = owners(ids, self.world, self.kind) == self.rank
+        if self.table is None:
+            rows = self._dense_rows_of(ids[mine])
+        else:
+            rows = self.table.import_ids(ids[mine], cat("last_used")[mine], cat("count")[mine])
+            same = len(shards) == self.world
+            totals = (np.asarray(shards[self.rank]["totals"]) if same else
+                      (sum(np.asarray(s["totals"]) for s in shards) if self.rank == 0 else np.zeros(6, np.int64)))
+            self.table.totals = dict(zip(self.table.totals, (int(x) for x in totals)))
+            if self.table.sketch is not None:
+                self.table.sketch.table = np.array(shards[self.rank]["sketch"] if same else
+                                                   sum(np.asarray(s["sketch"]) for s in shards), np.int32)
+        r = B.asarray(np.asarray(rows, np.int32))
+        self.values = B.set_rows(self.values, r, B.asarray(cat("values")[mine]))
+        self.state = {k: B.set_rows(v, r, B.asarray(np.concatenate([np.asarray(s["state"][k]) for s in shards])[mine]))
+                      for k, v in self.state.items()}
+
     # ------------------------------------------------------------------ reading
     def rows_of(self, ids) -> np.ndarray:
         """This shard's values (numpy) of ids it owns and holds (zeros for others)."""
@@ -246,3 +293,42 @@ class ShardedTable:
         rows = self._dense_rows_of(ids) if self.table is None else self.table.lookup(ids)
         rows = np.where(owners(ids, self.world, self.kind) == self.rank, rows, 0)
         return self.B.to_numpy(self.B.gather_rows(self.values, self.B.asarray(rows.astype(np.int32))))
+
+
+# ----------------------------------------------------------------------------- runs and checkpoints
+def make_sharded(B, cfg, comm, dense_rows=None) -> ShardedTable:
+    """This rank's shard for ``cfg.embedding`` (``sharding = "row"``); ``dense_rows``: the dense
+    table's initial rows (needed by kind "dense" and by ``init = "dense"``)."""
+    e = cfg.embedding
+    need_rows = e.kind == "dense" or e.init == "dense"
+    return ShardedTable(B, comm, kind=e.kind, dim=cfg.model.embed_dim, num_items=cfg.model.num_items,
+                        capacity=e.capacity, seed=cfg.train.seed, policy=e.policy, min_count=e.min_count,
+                        optimizer=e.optimizer, dense_rows=dense_rows if need_rows else None,
+                        node_size=e.node_size, hierarchical=e.hierarchical, precision=e.exchange)
+
+
+def assemble(shards: list, dim: int):
+    """``(ids[L], values[L, D])`` of the whole table from every rank's ``export`` (evaluation)."""
+    ids = np.concatenate([np.asarray(s["ids"], np.int64) for s in shards])
+    values = np.concatenate([np.asarray(s["values"], np.float32).reshape(-1, dim) for s in shards])
+    return ids, values
+
+
+def assemble_table(cfg, shards: list):
+    """``(table[L + 1, D] numpy, host)``: the whole table from every rank's ``export``, for
+    evaluation on one process: a dense table indexed by id (host None), or a hash table's rows
+    with an ``EmbeddingHost`` whose id map finds them (``runner.evaluate(host=...)``)."""
+    from ..config import replace
+    from .lookup import EmbeddingHost
+
+    D = cfg.model.embed_dim
+    ids, values = assemble(shards, D)
+    if cfg.embedding.kind == "dense":
+        table = np.zeros((cfg.model.num_items + 1, D), np.float32)
+        table[ids] = values
+        return table, None
+    host = EmbeddingHost(replace(cfg, embedding={"capacity": max(len(ids), 1), "min_count": 1}), cfg.model.num_items)
+    rows = host.table.import_ids(ids, np.zeros(len(ids), np.int64), np.zeros(len(ids), np.int64))
+    table = np.zeros((host.rows, D), np.float32)
+    table[rows] = values
+    return table, host

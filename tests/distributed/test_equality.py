@@ -116,3 +116,45 @@ def test_hash_table_two_ranks_equal_single_process(tmp_path):
     assert len(got) == 6 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
     assert [g["embedding"] for g in got] == [w["embedding"] for w in want]
     assert got[-1]["embedding"]["table"]["evictions"] > 0
+
+
+ROW_SHARDED = ["train.max_steps=6", "train.epochs=3", "train.eval_every=100", "embedding.kind=hash",
+               "embedding.optimizer=lazy_adam", "embedding.capacity=240", "loss.num_negatives=4"]
+
+
+def _table_by_id(out) -> dict:
+    """id -> row of the item table in OUT's last checkpoint (whole or row-sharded)."""
+    from gr_functional.checkpoint import read_checkpoint
+    from gr_functional.embedding.hashtable import HashTable
+
+    ck = read_checkpoint(out / "checkpoints" / "last.safetensors")
+    saved = ck.host["embedding"]
+    if "shards" in saved:
+        return {int(i): v for s in saved["shards"] for i, v in zip(s["ids"], s["values"])}
+    table = HashTable(ck.config.embedding.capacity, seed=ck.config.train.seed)
+    table.load_state_dict(saved["table"])
+    return {int(i): ck.params["item_emb"][r] for r, i in zip(table.live_rows(), table.row_ids()[table.live_rows()])}
+
+
+def test_row_sharded_table_two_ranks_equal_single_process(tmp_path):
+    """embedding.sharding = row: each rank holds the rows it owns and looks up its own ids by
+    all-to-all; params, losses, the table (by id) and the evaluation equal one process's."""
+    from gr_functional.runner import train
+
+    train(tiny_config(*ROW_SHARDED), tmp_path / "single", progress=False, resume="never")
+    results = wait_all(spawn_ranks(tmp_path / "dist", *ROW_SHARDED, "embedding.sharding=row"), timeout=120)
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+    got_params, want_params = final_params(tmp_path / "dist"), final_params(tmp_path / "single")
+    want_params.pop("item_emb")
+    err, leaf = worst_param_error(got_params, want_params)
+    assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
+    got, want = _train_records(tmp_path / "dist"), _train_records(tmp_path / "single")
+    assert len(got) == 6 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
+    rows, ref = _table_by_id(tmp_path / "dist"), _table_by_id(tmp_path / "single")
+    assert set(rows) == set(ref)
+    assert max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-6
+    assert got[-1]["embedding"]["exchange"]["ids_inter"] > 0
+    a = json.loads((tmp_path / "dist" / "eval.json").read_text())
+    b = json.loads((tmp_path / "single" / "eval.json").read_text())
+    assert abs(a["hr@10"] - b["hr@10"]) <= 1e-6 and abs(a["ndcg@10"] - b["ndcg@10"]) <= 1e-5
