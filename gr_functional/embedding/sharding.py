@@ -255,7 +255,8 @@ class ShardedTable:
             out = self.table.export()
             ids, rows = out.pop("ids"), out.pop("rows")
         r = B.asarray(rows.astype(np.int32))
-        out.update(ids=ids, values=B.to_numpy(B.gather_rows(self.values, r)),
+        out.update(ids=ids, bytes=np.asarray(list(self.bytes.values()), np.int64),
+                   values=B.to_numpy(B.gather_rows(self.values, r)),
                    state={k: B.to_numpy(B.gather_rows(v, r)) for k, v in self.state.items()})
         return out
 
@@ -270,11 +271,14 @@ class ShardedTable:
         cat = lambda key: np.concatenate([np.asarray(s[key]) for s in shards])  # noqa: E731
         ids = cat("ids").astype(np.int64)
         mine = owners(ids, self.world, self.kind) == self.rank
+        same = len(shards) == self.world
+        sent = (np.asarray(shards[self.rank]["bytes"]) if same else
+                (sum(np.asarray(s["bytes"]) for s in shards) if self.rank == 0 else np.zeros(len(self.bytes))))
+        self.bytes = dict(zip(self.bytes, (int(x) for x in sent)))
         if self.table is None:
             rows = self._dense_rows_of(ids[mine])
         else:
             rows = self.table.import_ids(ids[mine], cat("last_used")[mine], cat("count")[mine])
-            same = len(shards) == self.world
             totals = (np.asarray(shards[self.rank]["totals"]) if same else
                       (sum(np.asarray(s["totals"]) for s in shards) if self.rank == 0 else np.zeros(6, np.int64)))
             self.table.totals = dict(zip(self.table.totals, (int(x) for x in totals)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .common import final_params, metrics, spawn_ranks, tiny_config, wait_all, worst_param_error
 
 PARAM_TOL = 1e-5
@@ -136,15 +138,27 @@ def _table_by_id(out) -> dict:
     return {int(i): ck.params["item_emb"][r] for r, i in zip(table.live_rows(), table.row_ids()[table.live_rows()])}
 
 
-def test_row_sharded_table_two_ranks_equal_single_process(tmp_path):
-    """embedding.sharding = row: each rank holds the rows it owns and looks up its own ids by
-    all-to-all; params, losses, the table (by id) and the evaluation equal one process's."""
-    from gr_functional.runner import train
-
-    train(tiny_config(*ROW_SHARDED), tmp_path / "single", progress=False, resume="never")
-    results = wait_all(spawn_ranks(tmp_path / "dist", *ROW_SHARDED, "embedding.sharding=row"), timeout=120)
+def _launch(out, *sets, world=2):
+    results = wait_all(spawn_ranks(out, *sets, world=world), timeout=180)
     for rank, (rc, _, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def row_sharded(tmp_path_factory):
+    """A 2-rank row-sharded run of ROW_SHARDED and its one-process (whole-table) twin."""
+    from gr_functional.runner import train
+
+    root = tmp_path_factory.mktemp("row_sharded")
+    train(tiny_config(*ROW_SHARDED), root / "single", progress=False, resume="never")
+    _launch(root / "dist", *ROW_SHARDED, "embedding.sharding=row")
+    return root
+
+
+def test_row_sharded_table_two_ranks_equal_single_process(row_sharded):
+    """embedding.sharding = row: each rank holds the rows it owns and looks up its own ids by
+    all-to-all; params, losses, the table (by id) and the evaluation equal one process's."""
+    tmp_path = row_sharded
     got_params, want_params = final_params(tmp_path / "dist"), final_params(tmp_path / "single")
     want_params.pop("item_emb")
     err, leaf = worst_param_error(got_params, want_params)
@@ -158,3 +172,28 @@ def test_row_sharded_table_two_ranks_equal_single_process(tmp_path):
     a = json.loads((tmp_path / "dist" / "eval.json").read_text())
     b = json.loads((tmp_path / "single" / "eval.json").read_text())
     assert abs(a["hr@10"] - b["hr@10"]) <= 1e-6 and abs(a["ndcg@10"] - b["ndcg@10"]) <= 1e-5
+
+
+def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp_path):
+    """A 2-rank row-sharded run stopped at step 3 and resumed on 2 ranks logs what the
+    uninterrupted run logs; resumed on 4 ranks instead (re-sharded by id), the same losses to
+    float rounding; its checkpoint evaluates on one process on both backends."""
+    import shutil
+
+    from gr_functional.runner import evaluate_checkpoint
+
+    sets = [*ROW_SHARDED, "embedding.sharding=row"]
+    _launch(tmp_path / "same", *sets, "train.max_steps=3")
+    shutil.copytree(tmp_path / "same", tmp_path / "four")
+    _launch(tmp_path / "same", *sets)
+    _launch(tmp_path / "four", *sets, world=4)
+    whole, same, four = (_train_records(p) for p in (row_sharded / "dist", tmp_path / "same", tmp_path / "four"))
+    assert same == whole
+    assert [r["step"] for r in four] == list(range(1, 7))
+    assert all(abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]) for a, b in zip(four, whole))
+    rows, ref = _table_by_id(tmp_path / "four"), _table_by_id(row_sharded / "dist")
+    assert set(rows) == set(ref) and max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-5
+    last = row_sharded / "dist" / "checkpoints" / "last.safetensors"
+    t, j = evaluate_checkpoint(last, "torch"), evaluate_checkpoint(last, "jax")
+    final = json.loads((row_sharded / "dist" / "eval.json").read_text())["last_epoch_test"]
+    assert abs(t["hr@10"] - final["hr@10"]) <= 1e-6 and abs(t["hr@10"] - j["hr@10"]) <= 1e-3

@@ -20,7 +20,7 @@ STEPS = 50
 SMALL = ["model.max_len=50", "train.batch_size=32", "train.max_steps=50", "eval.max_users=200"]
 
 
-def _trajectory(exp, backend: str, sparse: bool):
+def _trajectory(exp, backend: str, sparse: bool, steps: int = STEPS):
     B = exp.backend(backend)
     params = B.asarray_tree(exp.init_params())
     opt_state = init_opt_state(B, params, exp.cfg)
@@ -28,7 +28,7 @@ def _trajectory(exp, backend: str, sparse: bool):
     host = exp.embedding_host() if sparse else None
     losses = []
     for step, batch in enumerate(exp.batches(0), start=1):
-        if step > STEPS:
+        if step > steps:
             break
         if host is not None:
             (batch,), _ = host.prepare([batch], step)
@@ -63,9 +63,9 @@ def test_hash_table_reproduces_the_dense_trajectory_on_ml1m(dense_run):
 def test_sparse_step_agrees_across_backends_on_ml1m():
     exp = grf.prepare("ml1m_hstu", [*SMALL, *HASH, "embedding.capacity=2000",
                                     "embedding.init=hashed"])
-    torch_losses, *_ = _trajectory(exp, "torch", sparse=True)
-    jax_losses, *_ = _trajectory(exp, "jax", sparse=True)
-    assert np.max(np.abs(torch_losses - jax_losses)) <= 1e-4
+    torch_losses, *_ = _trajectory(exp, "torch", sparse=True, steps=20)
+    jax_losses, *_ = _trajectory(exp, "jax", sparse=True, steps=20)
+    assert len(jax_losses) == 20 and np.max(np.abs(torch_losses - jax_losses)) <= 1e-4
 
 
 HASH_RUN = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=60",
