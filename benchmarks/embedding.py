@@ -18,6 +18,11 @@ Sections (one JSON line per measurement with ``--json``):
   per fp32 array, are reported as ``value_bytes``, not allocated here).
 - ``dedup``: ids named per step before and after dedup on real ML-1M batches (``ml1m_hstu``: 128
   sequences, 128 sampled negatives per position) and the bytes of the rows gathered (fp32, D = 50).
+- ``exchange``: bytes a row-sharded table's all-to-all moves per step, measured by running it
+  (``ShardedTable`` on gloo, ``ranks`` processes on this machine) on the real ML-1M batches,
+  each rank taking its data-parallel share (``dist.balance = "kk"``): ids, rows and gradients,
+  intra-/inter-node (``node_size`` 2 when 4 ranks), flat or hierarchical, fp32 or fp16, and what
+  the same exchange would move without dedup (every id reference sent: ``*_no_dedup``).
 """
 from __future__ import annotations
 
@@ -222,6 +227,74 @@ def bench_dedup(batches: int, json_lines: bool) -> None:
            "bytes_after": uniq / batches * row, "reduction": ids / max(uniq, 1)}, json_lines)
 
 
+def _exchange_rank(rank: int, world: int, port: int, steps: int, scenarios: list, out: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import gr_functional as grf
+    from backends import get_backend
+    from backends.dist_torch import init
+    from gr_functional.config import DistConfig, OptimConfig, replace
+    from gr_functional.data.batching import TrainLoader
+    from gr_functional.embedding.lookup import batch_ids, unique_ids
+    from gr_functional.embedding.sharding import ShardedTable
+
+    exp = grf.prepare("ml1m_hstu")
+    cfg = replace(exp.cfg, dist={"nproc": world})
+    loader = TrainLoader.from_config(exp.splits.train, cfg, world)
+    comm = init(DistConfig(backend="gloo", timeout_s=300))
+    B = get_backend("torch")
+    D = cfg.model.embed_dim
+    results = []
+    for node_size, hierarchical, precision in scenarios:
+        table = ShardedTable(B, comm, kind="hash", dim=D, num_items=cfg.model.num_items, seed=0,
+                             node_size=node_size, hierarchical=hierarchical, precision=precision)
+        refs_total = 0
+        for step in range(steps):
+            ids, refs = unique_ids(batch_ids(loader.rank_batch(0, step, rank).batch))
+            refs_total += refs
+            rows, pending = table.lookup(ids, step + 1)
+            table.update(pending, B.xp.zeros_like(rows), 0.0, OptimConfig())
+        results.append({"bytes": table.bytes, "refs": refs_total})
+    total = comm.all_reduce_sum([v for r in results for v in (*r["bytes"].values(), r["refs"])])
+    if rank == 0:
+        keys = list(results[0]["bytes"])
+        with open(out, "w") as f:
+            for i, (node_size, hierarchical, precision) in enumerate(scenarios):
+                part = total[i * (len(keys) + 1):(i + 1) * (len(keys) + 1)]
+                f.write(json.dumps({"node_size": node_size, "hierarchical": hierarchical, "precision": precision,
+                                    **{k: float(v) / steps for k, v in zip(keys, part)},
+                                    "refs": float(part[-1]) / steps}) + "\n")
+    comm.shutdown()
+
+
+def bench_exchange(world: int, steps: int, json_lines: bool) -> None:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    node = 2 if world >= 4 else 1
+    scenarios = [(node, False, "fp32"), (node, False, "fp16"), (node, True, "fp32"), (node, True, "fp16")]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/exchange.jsonl"
+        mp.spawn(_exchange_rank, args=(world, port, steps, scenarios, out), nprocs=world)
+        rows = [json.loads(line) for line in open(out)]
+    dim = 50  # ml1m_hstu
+    for r in rows:
+        row_bytes = dim * 4 if r["precision"] == "fp32" else dim * 2 + 4
+        total = sum(r[f"{w}_{s}"] for w in ("ids", "rows", "grads") for s in ("intra", "inter"))
+        no_dedup = r["refs"] * (world - 1) / world * (8 + 2 * row_bytes)  # a reference's owner is another rank w.p. (R-1)/R
+        _emit({"section": "exchange", "dataset": "ml-1m", "ranks": world, **{k: r[k] for k in (
+            "node_size", "hierarchical", "precision")}, "bytes_per_step": total,
+            "inter_node_bytes_per_step": r["ids_inter"] + r["rows_inter"] + r["grads_inter"],
+            "bytes_per_step_no_dedup": no_dedup, "dedup_reduction": no_dedup / max(total, 1)}, json_lines)
+
+
 def run(json_lines: bool = False, quick: bool = False) -> None:
     """All sections; ``quick`` shrinks every size (tests)."""
     if quick:
@@ -236,3 +309,5 @@ def run(json_lines: bool = False, quick: bool = False) -> None:
         bench_map(keys=4_000_000, n=n, repeats=3, json_lines=json_lines)
     bench_memory(capacity=4_000_000, stream_ids=32_000_000, chunk=1_000_000, dim=256, json_lines=json_lines)
     bench_dedup(batches=10, json_lines=json_lines)
+    for world in (2, 4):
+        bench_exchange(world, steps=5, json_lines=json_lines)

@@ -19,8 +19,9 @@ the same local index, so each id crosses the network at most once per node, and 
 pre-summed inside the node. ``precision`` "fp16" / "bf16" sends rows and gradients as 16-bit
 values with one fp32 scale per row (``encode``), halving the exchanged bytes.
 
-Every hop counts its bytes (``ShardedTable.bytes``), split into intra-node and inter-node by
-``node_size`` (every rank its own node when 0), for ``grf bench embedding``.
+Every hop counts the bytes a rank sends to OTHER ranks (``ShardedTable.bytes``), split into
+intra-node and inter-node by ``node_size`` (every rank its own node when 0), for ``grf bench
+embedding`` and metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -150,8 +151,11 @@ class ShardedTable:
         return np.asarray(ranks) // (self.node_size or 1)
 
     def _count(self, what: str, counts: np.ndarray, row_bytes: int) -> None:
-        same = self._node(np.arange(self.world)) == self._node(self.rank)
-        self.bytes[f"{what}_intra"] += int(counts[same].sum()) * row_bytes
+        """Bytes this rank sends to other ranks (its chunk to itself never leaves it)."""
+        peers = np.arange(self.world)
+        same = self._node(peers) == self._node(self.rank)
+        other = peers != self.rank
+        self.bytes[f"{what}_intra"] += int(counts[same & other].sum()) * row_bytes
         self.bytes[f"{what}_inter"] += int(counts[~same].sum()) * row_bytes
 
     def _route(self, ids: np.ndarray) -> list:
