@@ -112,7 +112,7 @@ def _by_search(ids: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.where(x == 0, 0, pos + 1).astype(np.int32)
 
 
-def _indexer(ids: np.ndarray):
+def local_indexer(ids: np.ndarray):
     """``x -> local indices`` for the increasing ``ids``: a table lookup where the ids are small
     (linear time), a binary search otherwise."""
     if not (len(ids) and ids[0] > 0 and _small_ids(int(ids[-1]), len(ids))):
@@ -134,7 +134,7 @@ def _indexer(ids: np.ndarray):
 def localize(batch: HSTUBatch, ids: np.ndarray, lookup: Lookup | None = None) -> HSTUBatch:
     """``batch`` with every id replaced by its local index (0 for padding, ``1 + position in
     ids``), and ``lookup`` attached. ``ids``: increasing int64, holding every non-zero id of the batch."""
-    index = _indexer(np.asarray(ids, dtype=np.int64))
+    index = local_indexer(np.asarray(ids, dtype=np.int64))
 
     def local(x):
         return None if x is None else index(np.asarray(x))
