@@ -190,3 +190,43 @@ def make_sharded_train_step(B: "JaxBackend", cfg, devices=None):
 
     step.mesh = mesh
     return step
+
+
+def make_sharded_table_ops(B: "JaxBackend", optimizer: str, opt_cfg, devices=None):
+    """The JAX reference of a row-sharded table's exchange (gr_functional/embedding/sharding.py):
+    one process, one shard per device of a 1-D mesh "data" (forced host devices on CPU).
+
+    Requests have a fixed capacity C per (rank, owner) pair: ``req[R, R, C]`` int32, ``req[r, o]``
+    the rows of shard o that rank r asks for (0 = none: the zero padding row). Returns
+    ``lookup(values[R, N, D], req) -> rows[R, R, C, D]`` (``rows[r, o]`` answers ``req[r, o]``:
+    the requests travel to their owners and the rows back by ``jax.lax.all_to_all``) and
+    ``push(values, state, req, grads[R, R, C, D], lr) -> (values, state)`` (gradients to the
+    owners, summed per row with ``segment_sum``, the row-sparse optimizer on the requested rows):
+    the same math as the torch exchange's ``all_to_all_single`` hops."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from gr_functional.embedding import rowopt
+
+    mesh = Mesh(np.array(list(devices or jax.devices())), ("data",))
+
+    def lookup_local(values, req):
+        asked = jax.lax.all_to_all(req[0], "data", 0, 0)             # [R, C]: what each rank asks of me
+        answer = jnp.take(values[0], asked, axis=0)                 # [R, C, D]
+        return jax.lax.all_to_all(answer, "data", 0, 0)[None]       # [1, R, C, D]: from each owner
+
+    def push_local(values, state, req, grads, lr):
+        asked = jax.lax.all_to_all(req[0], "data", 0, 0).reshape(-1)
+        g = jax.lax.all_to_all(grads[0], "data", 0, 0)
+        n, d = values.shape[1], values.shape[2]
+        summed = jax.ops.segment_sum(g.reshape(-1, d), asked, num_segments=n)
+        touched = jnp.zeros(n, bool).at[asked].set(True).at[0].set(False)
+        new, new_state = rowopt.row_update(B, optimizer, values[0], summed, {k: v[0] for k, v in state.items()},
+                                           touched, lr, opt_cfg)
+        return new[None], {k: v[None] for k, v in new_state.items()}
+
+    lookup = jax.jit(jax.shard_map(lookup_local, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))
+    push = jax.jit(jax.shard_map(push_local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P("data"), P()),
+                                 out_specs=(P("data"), P("data"))))
+    return lookup, push

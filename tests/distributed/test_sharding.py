@@ -108,3 +108,25 @@ def test_16_bit_exchange(launched, precision, tol):
             scale = np.abs(b[key]).max(axis=-1, keepdims=True) + 1e-12
             assert np.max(np.abs(a[key] - b[key]) / scale) <= tol, key
     assert low_bytes["rows_intra"] + low_bytes["rows_inter"] < 0.7 * (full_bytes["rows_intra"] + full_bytes["rows_inter"])
+
+
+@pytest.mark.parametrize("world, kind", [(2, "hash"), (4, "dense")])
+def test_jax_shard_map_reference_agrees(tmp_path, world, kind):
+    """backends.jax.make_sharded_table_ops (shard_map + jax.lax.all_to_all over forced host
+    devices) serves the same rows and ends with the same table as one unsharded table, which the
+    gloo ranks match too (test_sharded_table_equals_one_table)."""
+    from .common import subprocess_env
+
+    npz = tmp_path / "jax.npz"
+    r = subprocess.run([sys.executable, "-m", "tests.distributed.sharded_table_reference", str(npz), str(world), kind],
+                       cwd=ROOT, env=subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={world}"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = dict(np.load(npz))
+    looked, final = _reference(kind, world)
+    for step in range(W.STEPS):
+        for rank in range(world):
+            assert np.max(np.abs(got[f"rows{step + 1}-{rank}"] - looked[step][rank])) <= 1e-6, (step, rank)
+    seen = np.isin(W.pool(kind), np.concatenate([W.inputs(kind, q, s)[0] for q in range(world)
+                                                 for s in range(1, W.STEPS + 1)]))
+    assert np.max(np.abs(got["final"][seen] - final[seen])) <= 1e-6
