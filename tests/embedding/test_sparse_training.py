@@ -116,3 +116,25 @@ def test_hash_checkpoint_evaluates_on_both_backends(hash_reference):
 def test_config_refuses_meaningless_embedding_settings(sets, key):
     with pytest.raises(grf.config.ConfigError, match=key.replace(".", r"\.")):
         grf.load_config(None, sets)
+
+
+def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
+    """The torch run's step-6 checkpoint (table rows, id map, lazy Adam state) continues on JAX:
+    the same table decisions (counters) and losses within the cross-backend tolerance."""
+    import shutil
+
+    from gr_functional.checkpoint import CheckpointDir
+
+    out = tmp_path / "jax"
+    shutil.copytree(hash_reference, out)
+    for step, path in CheckpointDir(out / "checkpoints").steps():
+        if step > 6:
+            path.unlink()
+    proc = run_grf(out, *HASH_RUN, args=("--backend", "jax"))
+    assert proc.returncode == 0, proc.stderr
+    want = {m["step"]: m for m in metrics(hash_reference) if m["kind"] == "train"}
+    got = {m["step"]: m for m in metrics(out) if m["kind"] == "train"}
+    assert got.keys() == want.keys()
+    for step in got:
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-4 * abs(want[step]["loss"]), step
+        assert got[step]["embedding"] == want[step]["embedding"]
