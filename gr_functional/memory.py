@@ -166,11 +166,29 @@ def estimate(cfg, data) -> list[Item]:
     items = [Item("framework runtime", RUNTIME_BYTES.get(name, RUNTIME_BYTES["jax"]), "backend.name",
                   f"fixed for {name}", "-", "runtime")]
     grad_copies = 4 + (1 if t.accumulate > 1 else 0)  # accumulation keeps a running gradient sum
-    items.append(Item("parameters, gradients and AdamW state", P * f * grad_copies, "model.num_items",
-                      f"{P:,} params x {f} B x {grad_copies}; item table [{N + 1:,}, {D}]", table, "state", dev))
-    items.append(Item("optimizer update and normalised item table", P * f * 3 + (N + 1) * D * f * 2,
-                      "model.num_items", f"{P:,} params x {f} B x 3 + [{N + 1:,}, {D}] x {f} B x 2", table,
-                      "step", dev))
+    e = cfg.embedding
+    if e.optimizer == "adamw":
+        items.append(Item("parameters, gradients and AdamW state", P * f * grad_copies, "model.num_items",
+                          f"{P:,} params x {f} B x {grad_copies}; item table [{N + 1:,}, {D}]", table, "state", dev))
+        items.append(Item("optimizer update and normalised item table", P * f * 3 + (N + 1) * D * f * 2,
+                          "model.num_items", f"{P:,} params x {f} B x 3 + [{N + 1:,}, {D}] x {f} B x 2", table,
+                          "step", dev))
+    else:  # row-sparse: the table and its per-row state, dense AdamW on the rest, the step's rows only
+        rows_all = (table_items(cfg) or N) + 1
+        world = cfg.dist.nproc if e.sharding == "row" and cfg.dist.nproc > 1 else 1
+        rows_here = -(-rows_all // world)
+        per_row = D * (3 if e.optimizer == "lazy_adam" else 1) + (1 if e.optimizer == "lazy_adam" else 1)
+        dense_p = P - rows_all * D
+        U = min(rows_all, T * (R + 2) if kind == "sampled" else T * 2 + R)
+        where = f" (1/{world} of it on each rank)" if world > 1 else ""
+        key = "embedding.capacity" if e.kind == "hash" else "model.num_items"
+        items.append(Item(f"item table and its {e.optimizer} state", rows_here * per_row * f, key,
+                          f"[{rows_all:,}, {D}] table + state, {per_row} x {f} B per row{where}",
+                          "lower embedding.capacity or shard the table (embedding.sharding='row')", "state", dev))
+        items.append(Item("dense parameters, gradients and AdamW state", dense_p * f * (grad_copies + 3),
+                          "model.embed_dim", f"{dense_p:,} params x {f} B x {grad_copies + 3}", table, "state", dev))
+        items.append(Item("the step's looked-up rows (values, gradients, update, normalised)", U * D * f * 6,
+                          "train.batch_size", f"<= {U:,} distinct rows x D={D} x {f} B x 6", shape, "step", dev))
     rows = min(T, TORCH_LOGITS_CHUNK_ROWS) if name in ("torch", "npu") else T
     if kind == "sampled":
         items.append(Item("sampled-softmax negatives", T * R * neg_cell, "loss.num_negatives",
