@@ -216,12 +216,14 @@ class RankSteps:
     def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):
         """A step with a row-sharded table: this rank's ids (not the global batch's) are looked
         up from their owners; the table's counters are summed over ranks on logged steps."""
-        from .embedding.lookup import LookupStats, batch_ids, localize, unique_ids
+        from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
 
         B, xp = self.B, self.B.xp
         ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
-        batches = [localize(rb.batch, ids) for rb in micro]
         rows, pending = self.shard.lookup(ids, step)
+        # only ``touched`` matters here: ids without a row get no gradient (train._loss)
+        touched = Lookup(None, np.concatenate([[False], pending.admitted]), None, None)
+        batches = [localize(rb.batch, ids, touched) for rb in micro]
         rows = xp.concat([xp.zeros((1, rows.shape[1]), dtype=rows.dtype, device=B.array_device), rows], axis=0)
         dev = [B.asarray_tree(b) for b in batches]
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],

@@ -94,7 +94,17 @@ def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
 
 
 def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
-    """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss."""
+    """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss.
+
+    With a ``batch.lookup``, the step's rows that are not ``touched`` (padding, ids the table did
+    not admit: they read the zero row) get no gradient: at a zero row the L2 normalisation's
+    gradient is 1/l2_eps times the incoming one, which overflows fp16 although the row is never
+    updated."""
+    if batch.lookup is not None and TABLE in params:
+        xp = B.xp
+        rows = params[TABLE]
+        keep = xp.reshape(batch.lookup.touched, (-1, 1))
+        params = {**params, TABLE: xp.where(keep, rows, B.stop_gradient(rows))}
     precision = cfg.backend.precision
     if precision == "fp32":
         loss = model.loss_fn(B, params, batch, cfg.model, loss=cfg.loss)

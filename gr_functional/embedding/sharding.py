@@ -104,6 +104,7 @@ class Pending:
     rows: np.ndarray        # owner: shard rows of the last hop's unique ids (0 = not admitted)
     fresh: np.ndarray       # owner: rows (re)initialised by this lookup
     values: object          # owner: their values as looked up [n, D] (fresh rows at their init)
+    admitted: np.ndarray    # requester: which of its ids got a row (the others read zeros)
 
 
 class ShardedTable:
@@ -220,9 +221,18 @@ class ShardedTable:
                            else self.dense_rows[mine[fresh]])
             values = xp.where(xp.reshape(B.asarray(fresh), (-1, 1)), B.asarray(init), values)
         out = values
+        flags = (rows > 0).astype(np.int64)
         for hop in reversed(hops):
             out = self._back(hop, out)
-        return out, Pending(hops, rows, fresh, values)
+            flags = self._back_flags(hop, flags)
+        return out, Pending(hops, rows, fresh, values, flags.astype(bool))
+
+    def _back_flags(self, hop: Hop, flags: np.ndarray) -> np.ndarray:
+        """Host flags of ``hop.unique`` back to the senders, in the sender's item order."""
+        got = self.comm.all_to_all(flags[hop.inverse], hop.recv, hop.send)
+        out = np.empty_like(got)
+        out[hop.order] = got
+        return out
 
     def update(self, pending: Pending, grads, lr, cfg: OptimConfig, ok=True) -> None:
         """Push this rank's row gradients ``grads[U, D]`` (``lookup``'s order) to the owners,

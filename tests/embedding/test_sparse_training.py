@@ -138,3 +138,18 @@ def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
     for step in got:
         assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-4 * abs(want[step]["loss"]), step
         assert got[step]["embedding"] == want[step]["embedding"]
+
+
+def test_ids_without_a_row_do_not_overflow_fp16(tmp_path):
+    """A table smaller than a step's ids (overflow: those ids read the zero row): their slots get
+    no gradient, so fp16 loss scaling settles as on a dense table instead of skipping every step
+    (the L2 norm's gradient at a zero row is 1 / l2_eps times the incoming one)."""
+    dense, out = tmp_path / "dense", tmp_path / "hash"
+    assert run_grf(dense, "backend.precision=fp16").returncode == 0
+    proc = run_grf(out, "embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=40",
+                   "backend.precision=fp16")
+    assert proc.returncode == 0, proc.stderr
+    lines = metrics(out)
+    assert [m for m in lines if m["kind"] == "train"][-1]["embedding"]["table"]["overflow"] > 0
+    skips = [sum(m["kind"] == "skip" for m in metrics(o)) for o in (out, dense)]
+    assert skips[0] <= skips[1] + 1 and skips[0] < 15, skips  # (before the fix: every step skipped)
