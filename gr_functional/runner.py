@@ -467,6 +467,14 @@ def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, f
     if "loader" not in restored.meta or "run" not in restored.meta:
         raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
                               f"it can be evaluated but not resumed")
+    saved = (restored.host or {}).get("embedding") or {}
+    sharded, world = cfg.embedding.sharding == "row" and _world_size() > 1, _world_size()
+    if ("shards" in saved) != sharded:  # checked before the run touches OUT
+        raise CheckpointError(f"checkpoint {restored.path} holds a {'row-sharded' if 'shards' in saved else 'whole'} "
+                              f"item table but this run {'shards' if sharded else 'does not shard'} it "
+                              f"(embedding.sharding={cfg.embedding.sharding!r} with {world} process(es)); resume "
+                              f"with more than one process (a row-sharded checkpoint) or one (a whole table), or "
+                              f"start over with --fresh")
     saved_data = restored.meta.get("data", {}).get("sha256")
     if saved_data not in (None, fingerprint):
         raise ConfigError(f"cannot resume from {restored.path}: the training data changed since it was "
@@ -625,11 +633,6 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         opt_state = _restore_opt_state(B, restored.opt_state, cfg)
         host = make_host(cfg)
         saved = (restored.host or {}).get("embedding") or {}
-        if ("shards" in saved) != sharded:
-            raise CheckpointError(f"checkpoint {restored.path} holds a {'row-sharded' if 'shards' in saved else 'whole'} "
-                                  f"item table but this run {'shards' if sharded else 'does not shard'} it "
-                                  f"(embedding.sharding={cfg.embedding.sharding!r} with {comm.world_size} process(es)); "
-                                  f"resume with the original number of processes or start with --fresh")
         if sharded:
             shard = make_sharded(B, cfg, comm, _dense_rows(cfg))
             shard.load(saved["shards"])

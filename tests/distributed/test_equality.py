@@ -197,3 +197,21 @@ def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp
     t, j = evaluate_checkpoint(last, "torch"), evaluate_checkpoint(last, "jax")
     final = json.loads((row_sharded / "dist" / "eval.json").read_text())["last_epoch_test"]
     assert abs(t["hr@10"] - final["hr@10"]) <= 1e-6 and abs(t["hr@10"] - j["hr@10"]) <= 1e-3
+
+
+def test_row_sharded_checkpoint_is_not_resumed_by_one_process(row_sharded, tmp_path):
+    """One process cannot continue a row-sharded checkpoint (its rows are spread over shards):
+    a clear CheckpointError before the run touches the folder."""
+    import shutil
+
+    from gr_functional.errors import CheckpointError
+    from gr_functional.runner import train
+
+    from ..reliability.common import file_digests
+
+    out = tmp_path / "copy"
+    shutil.copytree(row_sharded / "dist", out)
+    before = file_digests(out)
+    with pytest.raises(CheckpointError, match="row-sharded item table but this run does not shard it"):
+        train(tiny_config(*ROW_SHARDED, "embedding.sharding=row", "train.max_steps=8"), out, progress=False)
+    assert file_digests(out) == before
