@@ -71,6 +71,9 @@ class Experiment:
         full-catalogue ranking as ``grf train`` evaluates (``host``: a hash table's)."""
         from .runner import evaluate
 
+        if self.cfg.embedding.kind == "hash" and host is None:
+            raise ValueError("evaluate: a hash table's rows are not indexed by id; pass host= (the "
+                             "EmbeddingHost that mapped the training ids, exp.embedding_host())")
         return evaluate(B, params, self.cfg, getattr(self.splits, split), self.data.candidates, host=host)
 
 
