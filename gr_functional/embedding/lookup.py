@@ -276,3 +276,15 @@ def table_params(params: dict, host: EmbeddingHost) -> dict:
     if host.table is None:
         return params
     return {**params, "item_emb": np.zeros((host.rows, host.dim), np.float32)}
+
+
+def localize_histories(histories) -> tuple[list, np.ndarray, int]:
+    """``(local, ids, references)`` for raw id sequences (any int64, e.g. a stream's 60-bit ids):
+    each sequence as int32 local indices 1..U into ``ids`` (the distinct ids, increasing), so the
+    batch built from them (``make_batch(local, ..., num_items=U)``) never holds a raw id; then
+    ``host.plan(ids, references, step)`` gives the rows and ``dataclasses.replace(batch,
+    lookup=...)`` attaches them."""
+    arrays = [np.asarray(h, dtype=np.int64) for h in histories]
+    ids, refs = unique_ids(arrays)
+    index = local_indexer(ids)
+    return [index(a) for a in arrays], ids, refs
