@@ -567,6 +567,8 @@ def load_config(path: str | Path | None = None, overrides: list = (), plugins: l
         values[section][key] = value
         origins[(section, key)] = label
         origins.setdefault((section, None), label)
+    if path is not None and Path(path).name == "config.toml" and (Path(path).parent / "checkpoints").is_dir():
+        values = _migrate(values, source, origins, stored=True)  # a run's own record (grf train --config OUT/config.toml)
     _import_plugins(values, source, origins, list(plugins))
     return build_config(values, source, origins)
 
@@ -577,7 +579,10 @@ def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> No
     train = values.get("train")
     if extra:
         values["train"] = train = dict(train) if isinstance(train, dict) else {}
-        train["plugins"] = [*train.get("plugins", ()), *extra]
+        listed = train.get("plugins", ())
+        if not isinstance(listed, (list, tuple)):
+            return  # malformed (a string?): build_config reports it, not a split into characters
+        train["plugins"] = [*listed, *extra]
         origins.setdefault(("train", "plugins"), f"--plugin {' --plugin '.join(extra)}")
     entries = train.get("plugins") if isinstance(train, dict) else None
     if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):

@@ -83,15 +83,17 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
     ``DataError`` and config errors ``ConfigError``, with the messages ``grf train`` prints."""
     from .data import batching, split as split_mod
     from .memory import check_negatives
-    from .plugins import import_plugins
+    from .config import replace
+    from .plugins import import_plugins, normalise
     from .runner import check_data, load_sequences, resolve, validate
 
     if isinstance(config, Config):
         if overrides:
             raise TypeError("prepare(Config, overrides): change a Config with gr_functional.config.replace(cfg, "
                             "model={...}); overrides apply to a config file or name")
-        import_plugins([*config.train.plugins, *plugins])
-        cfg = config
+        entries = tuple(normalise(e) for e in (*config.train.plugins, *plugins))
+        import_plugins(entries)
+        cfg = replace(config, train={"plugins": tuple(dict.fromkeys(entries))})  # recorded: grf.fit(exp.cfg) keeps them
         validate(cfg)
     else:
         path = None

@@ -300,7 +300,10 @@ class Hook:
     """A training-loop extension; override what you need. ``on_epoch_start(run)`` before an
     epoch's first step, ``on_step(run, step)`` after each optimizer step, ``on_epoch_end(run,
     record)`` once per epoch (``record``: {"epoch", "step", "loss"[, "valid", "test"]}, filled
-    by the hooks before), ``on_close(run)`` when the loop ends, normally or not."""
+    by the hooks before), ``on_close(run)`` when the loop ends, normally or not (an error there
+    is reported, never raised over the run's own). Hooks run on every rank: check
+    ``run.is_main`` before writing files, and write your own files, not ``run.log`` (metrics.jsonl
+    is the built-in hooks' record: a line added after an epoch's checkpoint is dropped on resume)."""
 
     def on_epoch_start(self, run: Run) -> None:
         pass
@@ -493,6 +496,12 @@ class TensorBoard(Hook):
     metrics.jsonl stays the exact record; this is for watching a run live."""
 
     def __init__(self, out: Path):
+        self.writer = self.check()(log_dir=str(out / "tensorboard"))
+
+    @staticmethod
+    def check():
+        """torch's ``SummaryWriter``, or ConfigError naming the missing package (called before the
+        run touches OUT)."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -500,7 +509,7 @@ class TensorBoard(Hook):
 
             raise ConfigError(f"train.tensorboard=true needs the tensorboard package ({exc}); pip install "
                               f"tensorboard, or set train.tensorboard=false (metrics.jsonl holds every value)") from None
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        return SummaryWriter
 
     def on_step(self, run: Run, step: StepResult) -> None:
         if step.finite and step.step % run.cfg.train.log_every == 0:

@@ -67,8 +67,7 @@ def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind =
 
     def add(f: Callable) -> Callable:
         old = _REGISTRY.get(name)
-        same = old is not None and (old.fn is f or (getattr(old.fn, "__module__", None), old.fn.__qualname__) ==
-                                    (getattr(f, "__module__", None), f.__qualname__))
+        same = old is not None and (old.fn is f or _origin(old.fn) == _origin(f))
         if old is not None and not (replace or same):
             raise ValueError(f"a loss named {name!r} is already registered ({old.fn.__module__}.{old.fn.__qualname__}); "
                              f"pick another name or pass replace=True")
@@ -76,6 +75,13 @@ def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind =
         return f
 
     return add if fn is None else add(fn)
+
+
+def _origin(fn) -> tuple:
+    """Where a function was defined: the same file imported twice (as a script and as a
+    --plugin module) defines "the same" loss again, which is allowed."""
+    code = getattr(fn, "__code__", None)
+    return (code.co_filename if code is not None else getattr(fn, "__module__", None), fn.__qualname__)
 
 
 def names() -> tuple[str, ...]:

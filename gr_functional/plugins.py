@@ -56,6 +56,16 @@ def import_plugins(entries, where: str = "train.plugins") -> None:
         except ConfigError:
             raise
         except Exception as exc:
-            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
-            at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            at = _where_in_plugin(exc, entry)
             raise ConfigError(f"{where}: importing plugin {entry!r} failed{at}: {type(exc).__name__}: {exc}") from exc
+
+
+def _where_in_plugin(exc: BaseException, entry: str) -> str:
+    """`` at FILE:LINE`` of the plugin's own failing line (a SyntaxError's position, else the
+    deepest frame inside the plugin file or module), or "" when none is the plugin's."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f" at {exc.filename}:{exc.lineno}"
+    mine = (lambda f: Path(f).resolve() == Path(entry).expanduser().resolve()) if entry.endswith(".py") else (
+        lambda f: entry.replace(".", "/") in f.replace("\\", "/"))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if mine(f.filename)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""

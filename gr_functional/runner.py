@@ -52,8 +52,8 @@ from .config import validate as config_validate
 from .memory import check_fits, table_items
 from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
-from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, advice, bad_step, builtin_hooks, last_healthy,
-                    make_steps, named_hooks)
+from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, TensorBoard, advice, bad_step, builtin_hooks,
+                    last_healthy, make_steps, named_hooks)
 from .embedding.lookup import make_host, table_params
 from .embedding.sharding import assemble_table, make_sharded
 from .train import init_loss_scale, init_opt_state, make_scorer
@@ -525,11 +525,13 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     ``train.hooks``, at every step and epoch end (gr_functional/hooks.py).
     """
     from .data import batching, split as split_mod
-    from .plugins import import_plugins
+    from .plugins import import_plugins, normalise
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
-    import_plugins(cfg.train.plugins)  # a Config built in code: its losses / datasets / kernels
+    # a Config built in code: its losses / datasets / kernels, recorded as absolute paths
+    cfg = replace(cfg, train={"plugins": tuple(normalise(e) for e in cfg.train.plugins)})
+    import_plugins(cfg.train.plugins)
     validate(cfg)
     world = _world_size()
     if world > 1:
@@ -609,6 +611,11 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
 
     main = comm.is_main
     say = _say if main else (lambda message: None)
+    # hooks that can fail to start (a named hook's factory, TensorBoard without its package) are
+    # made before the run touches OUT, so such an error leaves the folder as it was (even --fresh)
+    user_hooks = [*named_hooks(cfg.train.hooks), *extra_hooks]
+    if cfg.train.tensorboard and main:
+        TensorBoard.check()
     # ---- checks passed: from here on the run owns OUT (rank 0 only in a data-parallel run)
     say(f"data {data.describe()}")
     if main:
@@ -679,6 +686,12 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         log.sync()
         state.metrics_lines = log.lines
         shards = comm.gather(shard.export()) if shard is not None else None  # every rank takes part
+        ended = bool(state.history) and state.history[-1]["epoch"] == epoch_of
+        if (reason not in ("epoch", "final") and train_loader.position[0] > epoch_of and state.epoch_end_pending < 0
+                and not ended):
+            # written after the epoch's last batch but before its end ran (a hook's save): a resume
+            # from it must still run that epoch's end (evaluation, history)
+            state.epoch_end_pending = epoch_of
         if not main:
             return None  # rank 0 writes the (identical) state
         comm.progress("checkpoint")
@@ -718,7 +731,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         evaluation = Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir, view=view)
     else:
         evaluation = Evaluation(partial(evaluate, host=host), splits, data.candidates, make_scorer(B, cfg), ckdir)
-    hooks = [*builtin_hooks(cfg, out, main, evaluation), *named_hooks(cfg.train.hooks), *extra_hooks]
+    hooks = [*builtin_hooks(cfg, out, main, evaluation), *user_hooks]
 
     def finished() -> bool:
         return epoch >= tc.epochs or run.stopping()
@@ -750,7 +763,10 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
             epoch, start = epoch + 1, 0
     finally:
         for hook in hooks:
-            hook.on_close(run)
+            try:
+                hook.on_close(run)
+            except Exception as exc:  # noqa: BLE001 - never mask the run's own error or skip the closes below
+                warn(f"hook {type(hook).__name__}.on_close failed: {type(exc).__name__}: {exc}")
         bar.close()
         log.close()
         timing.close()
@@ -810,7 +826,15 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
 
         kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in valid_names(backend) else "default"
         cfg = replace(cfg, backend={"name": backend, "hstu_kernel": kernel})  # the run's kernel may not exist there
-        validate(cfg, source=f"--backend {backend}")
+        # only what evaluation uses is checked: a plugin's loss need not be registered to evaluate
+        build_config({"backend": {f.name: getattr(cfg.backend, f.name) for f in dataclasses.fields(cfg.backend)}},
+                     source=f"--backend {backend}")
+        config_validate(cfg, source=f"--backend {backend}", registries=False)
+        from backends.kernels import check_config
+
+        problem = check_config(cfg)
+        if problem:
+            raise ConfigError(f"--backend {backend}: backend.hstu_kernel={cfg.backend.hstu_kernel!r}: {problem}")
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)
