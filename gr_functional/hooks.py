@@ -531,15 +531,31 @@ class TensorBoard(Hook):
 _REGISTRY: dict[str, Callable[[], Hook]] = {}
 
 
-def register_hook(name: str, factory: Callable[[], Hook] | None = None):
+def register_hook(name: str, factory: Callable[[], Hook] | None = None, *, replace: bool = False):
     """Make ``factory() -> Hook`` (a Hook subclass works) available as ``train.hooks = [name]``
     (``register_hook(name, cls)`` or ``@register_hook(name)`` on a class). A plugin module
-    (``grf train --plugin FILE``) registers it; the name goes into config.toml."""
+    (``grf train --plugin FILE``) registers it; the name goes into config.toml. A taken name is
+    refused unless ``replace=True`` (or it is the same definition imported again), as for losses."""
     def add(f):
+        old = _REGISTRY.get(name)
+        if old is not None and old is not f and not replace and _origin(old) != _origin(f):
+            raise ValueError(f"a hook named {name!r} is already registered ({getattr(old, '__module__', '?')}."
+                             f"{getattr(old, '__qualname__', old)}); pick another name or pass replace=True")
         _REGISTRY[name] = f
         return f
 
     return add if factory is None else add(factory)
+
+
+def _origin(f) -> tuple:
+    """Where ``f`` was defined (file, qualified name): the same class imported twice is the same."""
+    import inspect
+
+    try:
+        where = inspect.getsourcefile(f)
+    except TypeError:
+        where = getattr(f, "__module__", None)
+    return where, getattr(f, "__qualname__", repr(f))
 
 
 def hook_names() -> tuple[str, ...]:

@@ -147,3 +147,23 @@ def test_one_file_as_script_and_plugin_registers_its_loss_once(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert str(script) in r.stdout
+
+
+def test_a_taken_hook_name_is_refused_unless_replaced():
+    from gr_functional.hooks import _REGISTRY, register_hook
+
+    class A(Hook):
+        pass
+
+    class B(Hook):
+        pass
+
+    try:
+        register_hook("edge_hook", A)
+        register_hook("edge_hook", A)                       # the same class again: fine
+        with pytest.raises(ValueError, match="already registered"):
+            register_hook("edge_hook", B)
+        register_hook("edge_hook", B, replace=True)
+        assert _REGISTRY["edge_hook"] is B
+    finally:
+        _REGISTRY.pop("edge_hook", None)
