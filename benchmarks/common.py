@@ -55,8 +55,9 @@ def device_label(B) -> str:
     return str((B._device or jax.devices()[0]).platform)
 
 
-def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: bool = True):
+def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: bool = True, negatives=None):
     """A numpy training batch of sequences with these input lengths (random ids and times).
+    ``negatives``: what the loss draws (``losses.negatives_for(cfg)``; default GR's 128 sampled).
 
     padded=True lays it out as a padded implementation would: every sequence owns ``max_len``
     rows (t_cap = B * max_len, so the linear layers run on padding too) and no tile plan (the
@@ -68,7 +69,9 @@ def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: 
     times = [np.cumsum(rng.integers(1, 3600, L + 1)) for L in lengths]
     m = dataclasses.replace(mc, num_items=n_items, attention_tile=0 if padded else mc.attention_tile)
     t_cap = len(lengths) * mc.max_len if padded else None
-    return make_batch(hist, times, m, rng=rng, num_items=n_items, train=train, t_cap=t_cap, b_cap=len(lengths))
+    extra = {} if negatives is None else {"negatives": negatives}
+    return make_batch(hist, times, m, rng=rng, num_items=n_items, train=train, t_cap=t_cap, b_cap=len(lengths),
+                      **extra)
 
 
 def median_seconds(B, fn, *args, repeats: int = 3, warmup: int = 1) -> float:

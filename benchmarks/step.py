@@ -38,7 +38,9 @@ def step_setup(name: str, base_cfg):
     if name == "kuairand_1k":
         cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
         lengths = np.random.default_rng(0).choice(kuairand_lengths(cfg.model.max_len), size=16, replace=False)
-        return cfg, synthetic_batch(cfg.model, lengths, seed=0)
+        from gr_functional.losses import negatives_for
+
+        return cfg, synthetic_batch(cfg.model, lengths, seed=0, negatives=negatives_for(cfg))
     from gr_functional.data import batching, split as split_mod
     from gr_functional.runner import load_sequences, resolve
 
