@@ -200,6 +200,8 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
     keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))
             if (s, f.name) not in _NOTE_KEYS]
     keys += [("train", k) for k in _MATCH_TRAIN]
+    if saved.data.ties == now.data.ties == "file":
+        keys.remove(("data", "ties_seed"))  # the seed of a rule not in use orders nothing
     for section, key in keys:
         a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
         if a != b:

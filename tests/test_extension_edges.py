@@ -167,3 +167,14 @@ def test_a_taken_hook_name_is_refused_unless_replaced():
         assert _REGISTRY["edge_hook"] is B
     finally:
         _REGISTRY.pop("edge_hook", None)
+
+
+def test_the_tie_seed_matters_on_resume_only_when_ties_are_shuffled():
+    from gr_functional.config import replace
+    from gr_functional.runner import resume_differences
+
+    cfg = tiny_config()
+    assert resume_differences(cfg, replace(cfg, data={"ties_seed": 7}))[0] == []
+    shuffled = replace(cfg, data={"ties": "shuffle"})
+    assert resume_differences(shuffled, replace(shuffled, data={"ties_seed": 7}))[0] == [
+        "data.ties_seed: checkpoint 0, now 7"]
