@@ -25,6 +25,9 @@ rowwise_adagrad (fbgemm's EXACT_ROWWISE_ADAGRAD, L2 weight-decay mode), per touc
 One float of state per row (``{"acc": [N]}``): a quarter of a percent of Adam's at D = 256.
 
 ``lr`` is the step's scheduled learning rate (``optim.learning_rate`` of the global update count).
+
+A row given to a new id (inserted, or taken from an evicted id) starts over: ``reset_rows`` zeroes
+its state (lazy Adam's count included, so its bias correction restarts at t = 1).
 """
 from __future__ import annotations
 
@@ -57,6 +60,15 @@ def gather_state(B, state: dict, rows) -> dict:
 def scatter_state(B, state: dict, rows, new: dict) -> dict:
     """``state`` with ``new``'s rows written at ``rows`` (``B.set_rows``: donates ``state``)."""
     return tree_map(lambda s, n: B.set_rows(s, rows, n), state, new)
+
+
+def reset_rows(B, state: dict, rows) -> dict:
+    """``state`` with every leaf zero at ``rows[U]`` int32 (rows re-initialised: newly inserted or
+    taken from an evicted id); other rows unchanged. Rows may repeat. Donates ``state``
+    (``B.set_rows``)."""
+    xp = B.xp
+    return tree_map(lambda s: B.set_rows(s, rows, xp.zeros((rows.shape[0],) + tuple(s.shape[1:]), dtype=s.dtype,
+                                                           device=B.array_device)), state)
 
 
 def row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
