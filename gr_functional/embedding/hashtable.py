@@ -1,30 +1,51 @@
 """A dynamic hash embedding table's host side: raw int64 id -> row, with insertion, eviction and
-admission, all vectorised numpy and deterministic.
+admission, all vectorised numpy and deterministic. The row values live with the backend.
 
 ``IdMap`` is an open-addressing hash map (linear probing, splitmix64 hash, slot states kept apart
 from the keys so every int64 is a valid id). ``HashTable`` gives ids rows 1..capacity of a table
-whose values live with the backend (row 0 is reserved: the padding id and ids that were not
-admitted read it). One ``assign`` call per training step, with the step's distinct ids:
+whose values live with the backend (row 0 is reserved: the padding id 0 and ids that were not
+admitted read it, and it is never given to an id). One ``assign`` call per training step, with
+the step's DISTINCT ids in the order insertions should happen:
 
-  - a present id keeps its row (a hit);
-  - an absent id is counted (a count-min sketch, when ``min_count`` > 1) and admitted once seen in
-    ``min_count`` steps; admitted ids take free rows (lowest first), then rows evicted from ids
-    NOT used in this step: "lru" the least recently used (smallest last step, then smallest id),
-    "lfu" the least frequently used (fewest steps since insertion, then least recent, then
-    smallest id); when nothing is evictable the id reads row 0 this step ("overflow");
-  - a row given to an id is "fresh": the caller re-initialises its value and optimizer state.
+  - a present id keeps its row (a hit): its last use becomes ``step``, its use count grows by 1;
+  - an absent id is counted once in a count-min sketch (4 rows, seeded hashes; only kept when
+    ``min_count`` > 1, since with 1 every id is admitted at first sight) and admitted when its
+    estimate, read after the whole call's increments, reaches ``min_count``; otherwise it reads
+    row 0 ("rejected");
+  - admitted ids, in input order, take free rows (lowest first), then rows evicted from ids NOT
+    used in this call: "lru" the least recently used (smallest last step, then smallest id),
+    "lfu" the least frequently used (fewest steps used since insertion, then least recent, then
+    smallest id); when nothing is left to evict the id reads row 0 ("overflow");
+  - a row given to an id is "fresh" (last use = step, count = 1): the caller re-initialises its
+    value and optimizer state, e.g. with ``hashed_init``.
 
-Determinism: the result of a call is a function of the table's state and the call's ids (in
-their order), so a run, its resumed twin (``state_dict``), every backend and every rank map the
-same ids to the same rows. Which ids are evicted never depends on row numbers (ties break by
-id), so a table rebuilt from its ids and their use statistics (``export`` / ``from_export``, as a
-re-sharded checkpoint does) evicts exactly as the original would. The mapping runs on the host, beside the negatives and dropout masks,
-because ids are data: the model stays a pure function of rows (README "Sparse embeddings" has the
-measurement against a device-side map).
+Determinism: every result is a function of the table's state and the call's ids (in their order):
+integer arithmetic only, no randomness, no dict or set iteration order, no dependence on the
+machine, thread count or numpy build. A run, its resumed twin (``state_dict`` /
+``load_state_dict``), every backend and every rank therefore map the same ids to the same rows.
+Victim ties break by id, not by row number, so a table rebuilt from its ids and their use
+statistics in any row order (``export`` / ``import_ids``, as a re-sharded checkpoint does)
+evicts exactly the ids the original would.
 
-Costs: a lookup or insert is a few vectorised passes over the ids (one per probing round; the
-map keeps at most 3/4 of its slots used, so rounds are few); a call that evicts also scans the
-per-row arrays once (O(capacity); "lfu" sorts its candidates, O(capacity log capacity)).
+Why on the host: ids are data, produced by the numpy pipeline beside the negatives and dropout
+masks; the map is stateful, integer-only work with data-dependent shapes (probing rounds, how
+many ids are new, how many rows to evict), which on a device costs a host sync per round. On the
+host it runs ahead of the step in the pipeline's queue, and the model stays a pure function of
+rows. ``benchmarks/embedding_map.py`` measures the same algorithm as numpy and as torch tensor
+ops on the CPU: numpy's get/put are as fast or faster at every size measured, and ``np.unique``
+dedups the step's ids faster than ``torch.unique``, so a device op would have to win back its
+kernel launches and transfers before it paid (README "Sparse embeddings" has the figures).
+
+Costs (n = ids in a call, C = capacity, S = map slots = next power of two >= 2C):
+  - ``IdMap.get`` / ``put``: one vectorised pass over the ids per probing round; the map keeps
+    live + tombstone slots at most 3/4 of S, so rounds are few and shrink geometrically (a few
+    million ids/s per core; ``put`` also keeps an int32 scratch of S slots to pick each round's
+    first claimant in O(n) instead of sorting);
+  - ``HashTable.assign``: a ``get`` of the non-zero ids, a ``put`` of the admitted ones, and when
+    it evicts one O(C) scan of the per-row arrays (eligibility mask, ``np.partition`` on the
+    primary key) plus a lexsort of the rows at or below the cut (O(k log k), k >= victims);
+  - memory: S * 17 bytes for the map (keys, values, states, scratch) + C * 25 bytes per-row
+    arrays + 16 * width bytes of sketch; independent of the id range and of the stream length.
 """
 from __future__ import annotations
 
@@ -35,11 +56,15 @@ import numpy as np
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
 _MAX_LOAD = 0.75
+_UNCLAIMED = np.iinfo(np.int32).max
+_U64 = (1 << 64) - 1
 POLICIES = ("lru", "lfu")
 
 
+# ----------------------------------------------------------------------------- hashing
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 (wrapping arithmetic): a bijective, well-mixed hash."""
+    """splitmix64's finaliser on uint64 (wrapping arithmetic): a bijective, well-mixed hash.
+    Any shape; returns uint64 of the same shape."""
     x = np.asarray(x, dtype=np.uint64)
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))
@@ -50,13 +75,26 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 def _as_key(ids) -> np.ndarray:
+    """int64 ids reinterpreted (not converted) as uint64, so negative ids hash like any other."""
     return np.asarray(ids, dtype=np.int64).view(np.uint64)
 
 
+def _u64(seed: int) -> np.uint64:
+    """A Python int seed (negative too) as uint64, two's complement."""
+    return np.uint64(int(seed) & _U64)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(1, math.ceil(math.log2(max(n, 2))))
+
+
+# ----------------------------------------------------------------------------- IdMap
 class IdMap:
     """int64 key -> int32 value, open addressing with linear probing over ``num_slots`` (a power
-    of two). ``put`` takes absent, distinct keys; deleted slots become tombstones, and the map
-    rehashes itself (deterministically, in slot order) when used + tombstone slots pass 3/4."""
+    of two) slots: ``keys[S]`` int64, ``values[S]`` int32, ``slot_state[S]`` uint8 (0 empty,
+    1 full, 2 tombstone). ``put`` takes absent, distinct keys; ``delete`` present, distinct ones,
+    whose slots become tombstones; the map rehashes its live entries (in slot order, so
+    deterministically) when live + tombstone slots would pass 3/4 of the slots."""
 
     def __init__(self, num_slots: int):
         if num_slots < 2 or num_slots & (num_slots - 1):
@@ -66,24 +104,26 @@ class IdMap:
         self.slot_state = np.zeros(num_slots, np.uint8)
         self.live = 0
         self.tombs = 0
+        self._claim = None  # put's scratch, allocated on first use, never saved
 
     @property
-    def mask(self) -> np.uint64:
-        return np.uint64(len(self.keys) - 1)
+    def num_slots(self) -> int:
+        return len(self.keys)
 
     def __len__(self) -> int:
         return self.live
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
-        return (mix64(_as_key(keys)) & self.mask).astype(np.int64)
+        """int64 home slot of each key."""
+        return (mix64(_as_key(keys)) & np.uint64(self.num_slots - 1)).astype(np.int64)
 
     def _find(self, keys: np.ndarray) -> np.ndarray:
-        """Slot of each key, -1 where absent."""
-        keys = np.asarray(keys, dtype=np.int64)
+        """int64 slot of each key, -1 where absent. A probe stops at the key or at an empty slot
+        (tombstones are stepped over); the load limit guarantees an empty slot exists."""
         slot = np.full(len(keys), -1, np.int64)
         pos = self._home(keys)
         active = np.arange(len(keys))
-        size = len(self.keys)
+        last = self.num_slots - 1
         while active.size:
             p = pos[active]
             state = self.slot_state[p]
@@ -91,50 +131,61 @@ class IdMap:
             slot[active[found]] = p[found]
             go_on = ~found & (state != _EMPTY)
             active = active[go_on]
-            pos[active] = (p[go_on] + 1) % size
+            pos[active] = (p[go_on] + 1) & last
         return slot
 
     def get(self, keys) -> np.ndarray:
-        """int32 value of each key, -1 where absent."""
-        slot = self._find(keys)
+        """``keys[n]`` int64 -> ``[n]`` int32 values, -1 where absent."""
+        slot = self._find(np.asarray(keys, dtype=np.int64))
         out = np.full(len(slot), -1, np.int32)
         hit = slot >= 0
         out[hit] = self.values[slot[hit]]
         return out
 
     def put(self, keys, values) -> None:
-        """Insert ``keys`` (absent from the map and distinct) with ``values``. Where several new
-        keys probe to the same free slot in one round, the first in input order takes it."""
+        """Insert ``keys[n]`` int64 (absent from the map and distinct) with ``values[n]`` int32.
+        Each round every pending key looks at its current slot; of the keys that find the same
+        empty or tombstone slot, the first in input order takes it and the others probe on."""
         keys = np.asarray(keys, dtype=np.int64)
         values = np.asarray(values, dtype=np.int32)
         if not keys.size:
             return
-        size = len(self.keys)
+        size = self.num_slots
         if self.live + len(keys) > _MAX_LOAD * size:
             raise ValueError(f"IdMap of {size} slots cannot hold {self.live + len(keys)} keys "
                              f"(at most {int(_MAX_LOAD * size)})")
         if self.live + self.tombs + len(keys) > _MAX_LOAD * size:
             self.rebuild()
         pos = self._home(keys)
-        pending = np.arange(len(keys))
+        pending = np.arange(len(keys), dtype=np.int32)
         while pending.size:
             p = pos[pending]
             free = self.slot_state[p] != _FULL
-            slots, first = np.unique(p[free], return_index=True)  # first claimant per slot
-            winners = pending[free][first]
-            self.tombs -= int((self.slot_state[slots] == _TOMB).sum())
+            slots, winners, lost = self._first_claimants(p[free], pending[free])
+            self.tombs -= int(np.count_nonzero(self.slot_state[slots] == _TOMB))
             self.keys[slots] = keys[winners]
             self.values[slots] = values[winners]
             self.slot_state[slots] = _FULL
-            won = np.zeros(len(keys), bool)
-            won[winners] = True
-            pending = pending[~won[pending]]
-            pos[pending] = (pos[pending] + 1) % size
+            moves = ~free
+            moves[np.flatnonzero(free)[lost]] = True
+            pending = pending[moves]
+            pos[pending] = (p[moves] + 1) & (size - 1)
         self.live += len(keys)
 
+    def _first_claimants(self, slots: np.ndarray, index: np.ndarray):
+        """Of the pending keys ``index[k]`` (int32, increasing) that want ``slots[k]``, the one
+        with the smallest index per slot wins: returns (won slots, winning indices, lost mask).
+        ``np.minimum.at`` into a scratch of all slots is O(k), where sorting would be O(k log k)."""
+        if self._claim is None:
+            self._claim = np.full(self.num_slots, _UNCLAIMED, np.int32)
+        np.minimum.at(self._claim, slots, index)
+        won = self._claim[slots] == index
+        self._claim[slots] = _UNCLAIMED
+        return slots[won], index[won], ~won
+
     def delete(self, keys) -> None:
-        """Remove present ``keys`` (their slots become tombstones)."""
-        slot = self._find(keys)
+        """Remove present, distinct ``keys[n]`` int64 (their slots become tombstones)."""
+        slot = self._find(np.asarray(keys, dtype=np.int64))
         if (slot < 0).any():
             raise KeyError(f"IdMap.delete: keys {np.asarray(keys)[slot < 0][:3].tolist()} are not present")
         self.slot_state[slot] = _TOMB
@@ -142,7 +193,7 @@ class IdMap:
         self.tombs += len(slot)
 
     def rebuild(self) -> None:
-        """Rehash the live entries into clean slots (drops tombstones)."""
+        """Rehash the live entries, in slot order, into clean slots (drops the tombstones)."""
         full = np.flatnonzero(self.slot_state == _FULL)
         keys, values = self.keys[full], self.values[full]
         self.keys[:] = 0
@@ -152,41 +203,49 @@ class IdMap:
         self.put(keys, values)
 
     def state_dict(self) -> dict:
+        """``keys``, ``values``, ``slot_state`` (copies) and ``counts`` = [live, tombstones] int64."""
         return {"keys": self.keys.copy(), "values": self.values.copy(), "slot_state": self.slot_state.copy(),
                 "counts": np.asarray([self.live, self.tombs], np.int64)}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["keys"]) != len(self.keys):
-            raise ValueError(f"IdMap state has {len(state['keys'])} slots, this map {len(self.keys)}")
+        if len(state["keys"]) != self.num_slots:
+            raise ValueError(f"IdMap state has {len(state['keys'])} slots, this map {self.num_slots}")
         self.keys = np.array(state["keys"], np.int64)
         self.values = np.array(state["values"], np.int32)
         self.slot_state = np.array(state["slot_state"], np.uint8)
         self.live, self.tombs = (int(x) for x in state["counts"])
+        if (self.live, self.tombs) != (int((self.slot_state == _FULL).sum()), int((self.slot_state == _TOMB).sum())):
+            raise ValueError("IdMap state: counts do not match slot_state (a corrupted or mixed-up state)")
 
 
+# ----------------------------------------------------------------------------- admission
 class CountMinSketch:
-    """Sightings per id in bounded memory: ``depth`` rows of ``width`` (a power of two) int32
-    counters; an estimate never undercounts (collisions can only add)."""
+    """Sightings per id in bounded memory: ``table[depth, width]`` int32 counters (width a power
+    of two), one seeded splitmix64 hash per row; an estimate never undercounts (collisions can
+    only add)."""
 
     def __init__(self, width: int, depth: int = 4, seed: int = 0):
+        if width < 1 or width & (width - 1):
+            raise ValueError(f"CountMinSketch: width must be a power of two, got {width}")
         self.table = np.zeros((depth, width), np.int32)
-        self.salts = mix64(np.arange(1, depth + 1, dtype=np.uint64) + np.uint64(seed) * np.uint64(depth + 1))
+        with np.errstate(over="ignore"):
+            self.salts = mix64(np.arange(1, depth + 1, dtype=np.uint64) + _u64(seed) * np.uint64(depth + 1))
 
     def add(self, ids: np.ndarray) -> np.ndarray:
-        """Count one sighting of each id; returns the estimates after counting."""
+        """Count one sighting of each of ``ids[n]`` (distinct int64); returns ``[n]`` int32
+        estimates read after all n increments."""
         keys = _as_key(ids)
         mask = np.uint64(self.table.shape[1] - 1)
-        est = None
-        for row, salt in zip(self.table, self.salts):
-            h = (mix64(keys ^ salt) & mask).astype(np.int64)
-            np.add.at(row, h, 1)
-            est = row[h] if est is None else np.minimum(est, row[h])
-        return est
+        cells = [(mix64(keys ^ salt) & mask).astype(np.int64) for salt in self.salts]
+        for row, h in zip(self.table, cells):
+            np.add.at(row, h, 1)  # distinct ids may share a cell: each sighting counts
+        return np.min([row[h] for row, h in zip(self.table, cells)], axis=0) if len(keys) else np.zeros(0, np.int32)
 
 
+# ----------------------------------------------------------------------------- HashTable
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """Rows of one ``assign`` call: ``rows[n]`` int32 (0 = not admitted / padding id) and
+    """Rows of one ``assign`` call: ``rows[n]`` int32 (0 = padding id or not admitted) and
     ``fresh[n]`` bool (the row was given to its id in this call)."""
 
     rows: np.ndarray
@@ -194,11 +253,16 @@ class Assignment:
 
 
 _COUNTERS = ("lookups", "hits", "inserts", "evictions", "rejected", "overflow")
+_CONFIG = ("capacity", "policy", "min_count", "seed", "sketch_width")
 
 
 class HashTable:
-    """Ids -> rows 1..``capacity`` (module docstring). Per row: the id it holds, whether it is
-    live, the step it was last used in and the number of steps it was used in since insertion."""
+    """Ids -> rows 1..``capacity`` (module docstring). Per row (``[capacity + 1]``, row 0 unused):
+    ``row_id`` int64 (the id it holds; 0 for a row never used), ``live`` bool, ``last_used``
+    int64 (step of last use), ``count`` int64 (steps used in since insertion).
+
+    ``sketch_width``: count-min sketch width (a power of two; default the next power of two
+    >= 4 * capacity, at least 1024); the sketch exists only when ``min_count`` > 1."""
 
     def __init__(self, capacity: int, *, policy: str = "lru", min_count: int = 1, seed: int = 0,
                  sketch_width: int = 0):
@@ -206,21 +270,28 @@ class HashTable:
             raise ValueError(f"HashTable: capacity must be >= 1, got {capacity}")
         if policy not in POLICIES:
             raise ValueError(f"HashTable: policy must be one of {POLICIES}, got {policy!r}")
-        self.capacity, self.policy, self.min_count, self.seed = capacity, policy, int(min_count), int(seed)
-        self.map = IdMap(1 << max(1, math.ceil(math.log2(2 * capacity))))
+        if min_count < 1:
+            raise ValueError(f"HashTable: min_count must be >= 1, got {min_count}")
+        self.capacity, self.policy, self.min_count, self.seed = int(capacity), policy, int(min_count), int(seed)
+        self.map = IdMap(_pow2_at_least(2 * capacity))
         self.row_id = np.zeros(capacity + 1, np.int64)
         self.live = np.zeros(capacity + 1, bool)
         self.last_used = np.zeros(capacity + 1, np.int64)
         self.count = np.zeros(capacity + 1, np.int64)
-        self.next_free = 1  # rows next_free..capacity have never held an id
-        width = sketch_width or max(1024, 1 << math.ceil(math.log2(4 * capacity)))
+        # Rows are handed out in order and a victim's row is refilled at once, so live rows are
+        # always exactly 1..next_free-1: "free rows" is a counter, not a list.
+        self.next_free = 1
+        width = sketch_width or max(1024, _pow2_at_least(4 * capacity))
         self.sketch = CountMinSketch(width, seed=self.seed) if self.min_count > 1 else None
         self.totals = dict.fromkeys(_COUNTERS, 0)
 
     # ------------------------------------------------------------------ the step's call
     def assign(self, ids, step: int) -> Assignment:
-        """Rows for the DISTINCT int64 ``ids`` of one step (module docstring rules)."""
+        """Rows for the DISTINCT int64 ``ids[n]`` of one step (module docstring rules); the
+        caller deduplicates (duplicates would corrupt the map). Returns ``Assignment``."""
         ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"HashTable.assign: ids must be 1-D, got shape {ids.shape}")
         rows = np.zeros(len(ids), np.int32)
         fresh = np.zeros(len(ids), bool)
         real = np.flatnonzero(ids != 0)
@@ -228,32 +299,46 @@ class HashTable:
         hit = found >= 0
         hit_rows = found[hit]
         rows[real[hit]] = hit_rows
-        self.last_used[hit_rows] = step
-        self.count[hit_rows] += 1
+        self._touch(hit_rows, step)
         self.totals["lookups"] += len(real)
-        self.totals["hits"] += int(hit.sum())
+        self.totals["hits"] += len(hit_rows)
 
-        absent = real[~hit]
-        if self.sketch is not None and absent.size:
-            admitted = self.sketch.add(ids[absent]) >= self.min_count
-            self.totals["rejected"] += int((~admitted).sum())
-            absent = absent[admitted]
-        if not absent.size:
-            return Assignment(rows, fresh)
-        new_rows = self._free_rows(len(absent))
-        if len(new_rows) < len(absent):
-            new_rows = np.concatenate([new_rows, self._evict(len(absent) - len(new_rows), hit_rows)])
-        placed = absent[:len(new_rows)]
-        self.totals["overflow"] += len(absent) - len(placed)
-        self.map.put(ids[placed], new_rows)
-        self.row_id[new_rows] = ids[placed]
-        self.live[new_rows] = True
-        self.last_used[new_rows] = step
-        self.count[new_rows] = 1
-        rows[placed] = new_rows
-        fresh[placed] = True
-        self.totals["inserts"] += len(placed)
+        admitted = self._admit(real[~hit], ids)
+        if admitted.size:
+            new_rows = self._rows_for(len(admitted), protected=hit_rows)
+            placed = admitted[:len(new_rows)]
+            self.totals["overflow"] += len(admitted) - len(placed)
+            self._insert(ids[placed], new_rows, step)
+            rows[placed] = new_rows
+            fresh[placed] = True
         return Assignment(rows, fresh)
+
+    def _touch(self, rows: np.ndarray, step: int) -> None:
+        self.last_used[rows] = step
+        self.count[rows] += 1  # rows are distinct (ids are), so fancy += counts each once
+
+    def _admit(self, absent: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The positions among ``absent`` (positions into ``ids``) whose ids pass admission."""
+        if self.sketch is None or not absent.size:
+            return absent
+        ok = self.sketch.add(ids[absent]) >= self.min_count
+        self.totals["rejected"] += int(np.count_nonzero(~ok))
+        return absent[ok]
+
+    def _rows_for(self, n: int, protected: np.ndarray) -> np.ndarray:
+        """Up to ``n`` rows (int32) for new ids: free rows first, then victims."""
+        rows = self._free_rows(n)
+        if len(rows) < n:
+            rows = np.concatenate([rows, self._evict(n - len(rows), protected)])
+        return rows
+
+    def _insert(self, ids: np.ndarray, rows: np.ndarray, step: int) -> None:
+        self.map.put(ids, rows)
+        self.row_id[rows] = ids
+        self.live[rows] = True
+        self.last_used[rows] = step
+        self.count[rows] = 1
+        self.totals["inserts"] += len(rows)
 
     def _free_rows(self, n: int) -> np.ndarray:
         take = min(n, self.capacity + 1 - self.next_free)
@@ -262,8 +347,9 @@ class HashTable:
         return out
 
     def _evict(self, n: int, protected: np.ndarray) -> np.ndarray:
-        """Up to ``n`` victim rows, in eviction order, among live rows not in ``protected``; their
-        ids leave the map."""
+        """Up to ``n`` victim rows (int32, in eviction order) among live rows not in
+        ``protected`` (the rows this call already uses); their ids leave the map. Picking the n
+        smallest at once equals picking one at a time, since a refilled row is protected."""
         eligible = self.live.copy()
         eligible[0] = False
         eligible[protected] = False
@@ -271,16 +357,11 @@ class HashTable:
         n = min(n, len(cand))
         if n == 0:
             return np.zeros(0, np.int32)
-        ids = self.row_id[cand]
         if self.policy == "lru":
-            last = self.last_used[cand]
-            if n < len(cand):  # only the rows at or below the n-th smallest last use can be picked
-                cut = np.partition(last, n - 1)[n - 1]
-                keep = last <= cut
-                cand, ids, last = cand[keep], ids[keep], last[keep]
-            victims = cand[np.lexsort((ids, last))[:n]]
+            order = (self.last_used[cand], self.row_id[cand])
         else:
-            victims = cand[np.lexsort((ids, self.last_used[cand], self.count[cand]))[:n]]
+            order = (self.count[cand], self.last_used[cand], self.row_id[cand])
+        victims = cand[_smallest(order, n)]
         self.map.delete(self.row_id[victims])
         self.live[victims] = False
         self.totals["evictions"] += n
@@ -288,31 +369,34 @@ class HashTable:
 
     # ------------------------------------------------------------------ reading
     def lookup(self, ids) -> np.ndarray:
-        """Rows of ``ids`` (0 where absent, and for id 0); no counting, no insertion."""
-        ids = np.asarray(ids, dtype=np.int64)
+        """``ids`` int64 (any shape... flattened to 1-D) -> ``[n]`` int32 rows, 0 where absent
+        and for id 0; no insertion, no counting (evaluation)."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
         rows = self.map.get(ids)
         return np.where((rows < 0) | (ids == 0), 0, rows).astype(np.int32)
 
     def row_ids(self) -> np.ndarray:
-        """``[capacity + 1]`` int64: the id each row holds (0 where the row is free)."""
+        """``[capacity + 1]`` int64: the id each row holds (0 where the row is free, and row 0)."""
         return np.where(self.live, self.row_id, 0)
 
     def live_rows(self) -> np.ndarray:
+        """int64 indices of the rows that hold an id, increasing."""
         return np.flatnonzero(self.live)
 
     def counters(self) -> dict:
-        """Cumulative counts: lookups (non-padding ids assigned), hits, inserts, evictions,
-        rejected (below min_count), overflow (no row to give), and occupancy, capacity, hit_rate."""
+        """Cumulative ints: lookups (non-zero ids passed to ``assign``), hits, inserts, evictions,
+        rejected (absent, below min_count), overflow (admitted, no row to give); and occupancy
+        (live rows now), capacity, hit_rate (hits / lookups, 0.0 before any lookup)."""
         out = dict(self.totals)
-        out.update(occupancy=int(self.live.sum()), capacity=self.capacity,
+        out.update(occupancy=self.next_free - 1, capacity=self.capacity,
                    hit_rate=self.totals["hits"] / self.totals["lookups"] if self.totals["lookups"] else 0.0)
         return out
 
     # ------------------------------------------------------------------ row-independent form
     def export(self) -> dict:
         """The live ids in row order with their use statistics (``ids``, ``rows``, ``last_used``,
-        ``count``), the sketch and the counters: everything eviction depends on, without row
-        numbers (a re-sharded or merged table is rebuilt from it with ``import_ids``)."""
+        ``count``), the sketch and the counters (``totals``): everything eviction depends on, so
+        a re-sharded or merged table rebuilt with ``import_ids`` evicts as this one would."""
         rows = self.live_rows()
         out = {"ids": self.row_id[rows].copy(), "rows": rows.astype(np.int32), "last_used": self.last_used[rows].copy(),
                "count": self.count[rows].copy(), "totals": np.asarray([self.totals[k] for k in _COUNTERS], np.int64)}
@@ -321,13 +405,13 @@ class HashTable:
         return out
 
     def import_ids(self, ids, last_used, count) -> np.ndarray:
-        """Insert ``ids`` (absent, distinct) with their use statistics into free rows, in the
-        given order; returns their rows. The table then evicts as the exporting one would."""
+        """Insert ``ids[n]`` (absent, distinct int64) with their use statistics (``[n]`` int64)
+        into free rows, in the given order; returns their ``[n]`` int32 rows. No counters move."""
         ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) > self.capacity + 1 - self.next_free:
+            raise ValueError(f"import of {len(ids)} ids into a table with {self.capacity + 1 - self.next_free} "
+                             f"free rows (capacity {self.capacity})")
         rows = self._free_rows(len(ids))
-        if len(rows) < len(ids):
-            raise ValueError(f"import of {len(ids)} ids into a table with {len(rows)} free rows "
-                             f"(capacity {self.capacity})")
         self.map.put(ids, rows)
         self.row_id[rows] = ids
         self.live[rows] = True
@@ -341,7 +425,9 @@ class HashTable:
         return np.asarray([self.capacity, POLICIES.index(self.policy), self.min_count, self.seed, sketch], np.int64)
 
     def state_dict(self) -> dict:
-        """Every array (numpy), counters and the table's configuration."""
+        """numpy arrays only: ``config`` int64 [capacity, policy index, min_count, seed, sketch
+        width (0 without a sketch)], ``map`` (``IdMap.state_dict``), the per-row arrays,
+        ``next_free``, ``totals`` int64 (counters in ``_COUNTERS`` order) and ``sketch``."""
         state = {"config": self._config(), "map": self.map.state_dict(), "row_id": self.row_id.copy(),
                  "live": self.live.copy(), "last_used": self.last_used.copy(), "count": self.count.copy(),
                  "next_free": np.asarray(self.next_free, np.int64),
@@ -351,11 +437,11 @@ class HashTable:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict``; a table saved with another capacity, policy, min_count, seed
-        or sketch width is refused (its rows would mean something else)."""
+        """Restore ``state_dict``: later ``assign`` calls return what the saved table's would.
+        A state saved with another capacity, policy, min_count, seed or sketch width is refused
+        with a ValueError naming the key (its rows would mean something else)."""
         saved = np.asarray(state["config"], np.int64)
-        names = ("capacity", "policy", "min_count", "seed", "sketch_width")
-        for name, a, b in zip(names, saved, self._config()):
+        for name, a, b in zip(_CONFIG, saved, self._config()):
             if a != b:
                 shown = (lambda v: POLICIES[int(v)]) if name == "policy" else int
                 raise ValueError(f"hash table state has {name}={shown(a)!r}, this table {shown(b)!r}: "
@@ -371,18 +457,41 @@ class HashTable:
             self.sketch.table = np.array(state["sketch"], np.int32)
 
 
+def _smallest(keys: tuple, n: int) -> np.ndarray:
+    """Indices of the ``n`` smallest entries by ``keys`` (primary key first, ties by the next;
+    the last key must be unique), in that order. ``np.partition`` on the primary key drops
+    everything above the n-th smallest before the lexsort: O(m) + O(k log k) for m candidates,
+    k of them at or below the cut."""
+    primary = keys[0]
+    if n < len(primary):
+        cut = np.partition(primary, n - 1)[n - 1]
+        keep = np.flatnonzero(primary <= cut)
+    else:
+        keep = np.arange(len(primary))
+    order = np.lexsort(tuple(k[keep] for k in reversed(keys)))
+    return keep[order[:n]]
+
+
+# ----------------------------------------------------------------------------- initial rows
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
 def hashed_init(seed: int, ids, dim: int, std: float = 0.02, bound: float = 2.0) -> np.ndarray:
-    """``[n, dim]`` float32: each row a function of (seed, id) only, N(0, 1) truncated to
-    [-bound, bound] times ``std`` (the dense table's truncated normal). A counter-based generator
-    (splitmix64 of seed, id and column -> 53-bit uniform in (0, 1)) through the truncated normal's
-    inverse CDF, so the same id starts with the same row on every backend, rank and resume,
-    whatever else the step inserts. About 50 M values/s here."""
+    """``ids[n]`` int64 -> ``[n, dim]`` float32: row i a function of (seed, ids[i]) only, N(0, 1)
+    truncated to [-bound, bound] times ``std`` (the dense table's truncated normal), so an id
+    starts with the same row on every backend, rank and resume, whatever else the step inserts.
+
+    A counter-based generator: splitmix64 of (mix of seed and id) + column * golden ratio, top 53
+    bits -> a uniform strictly inside (0, 1) -> the truncated normal's inverse CDF
+    (``ndtri(Phi(-b) + u (Phi(b) - Phi(-b)))``), which has exactly the distribution rejection
+    sampling gives. Bitwise reproducible for a given numpy/scipy build (the only floating point is
+    scipy's ndtri in float64, rounded to float32). About 25-30 M values/s on one core here."""
     from scipy.special import ndtr, ndtri
 
-    keys = mix64(_as_key(ids) ^ mix64(np.asarray([seed], np.uint64)))[:, None]
-    cols = np.arange(dim, dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):
-        bits = mix64(keys + cols * np.uint64(0x9E3779B97F4A7C15))
+        keys = mix64(_as_key(ids) ^ mix64(np.asarray([_u64(seed)], np.uint64)))[:, None]
+        cols = np.arange(dim, dtype=np.uint64)[None, :]
+        bits = mix64(keys + cols * _GOLDEN)
     u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
     lo, hi = ndtr(-bound), ndtr(bound)
     return (ndtri(lo + u * (hi - lo)) * std).astype(np.float32)
