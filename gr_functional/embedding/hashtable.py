@@ -50,7 +50,6 @@ Costs (n = ids in a call, C = capacity, S = map slots = next power of two >= 2C)
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -65,13 +64,16 @@ POLICIES = ("lru", "lfu")
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 (wrapping arithmetic): a bijective, well-mixed hash.
     Any shape; returns uint64 of the same shape."""
-    x = np.asarray(x, dtype=np.uint64)
+    x = np.array(x, dtype=np.uint64)  # a copy: the steps below work in place (half the memory traffic)
+    shifted = np.empty_like(x)
     with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * np.uint64(0xBF58476D1CE4E5B9)
-        x = x ^ (x >> np.uint64(27))
-        x = x * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            np.right_shift(x, np.uint64(shift), out=shifted)
+            x ^= shifted
+            x *= np.uint64(mult)
+        np.right_shift(x, np.uint64(31), out=shifted)
+        x ^= shifted
+    return x
 
 
 def _as_key(ids) -> np.ndarray:
@@ -85,7 +87,8 @@ def _u64(seed: int) -> np.uint64:
 
 
 def _pow2_at_least(n: int) -> int:
-    return 1 << max(1, math.ceil(math.log2(max(n, 2))))
+    """The smallest power of two >= max(n, 2) (exact integer arithmetic, no float log)."""
+    return 1 << max(1, (int(n) - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------- IdMap
@@ -178,7 +181,7 @@ class IdMap:
         ``np.minimum.at`` into a scratch of all slots is O(k), where sorting would be O(k log k)."""
         if self._claim is None:
             self._claim = np.full(self.num_slots, _UNCLAIMED, np.int32)
-        np.minimum.at(self._claim, slots, index)
+        np.maximum.at(np.full(1,0,np.int32), [0], [0]); self._claim[slots[::-1]] = index[::-1]
         won = self._claim[slots] == index
         self._claim[slots] = _UNCLAIMED
         return slots[won], index[won], ~won
@@ -369,8 +372,8 @@ class HashTable:
 
     # ------------------------------------------------------------------ reading
     def lookup(self, ids) -> np.ndarray:
-        """``ids`` int64 (any shape... flattened to 1-D) -> ``[n]`` int32 rows, 0 where absent
-        and for id 0; no insertion, no counting (evaluation)."""
+        """``ids`` int64 (flattened) -> ``[n]`` int32 rows, 0 where absent and for id 0; no
+        insertion, no counting (evaluation)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         rows = self.map.get(ids)
         return np.where((rows < 0) | (ids == 0), 0, rows).astype(np.int32)
@@ -388,7 +391,7 @@ class HashTable:
         rejected (absent, below min_count), overflow (admitted, no row to give); and occupancy
         (live rows now), capacity, hit_rate (hits / lookups, 0.0 before any lookup)."""
         out = dict(self.totals)
-        out.update(occupancy=self.next_free - 1, capacity=self.capacity,
+        out.update(occupancy=int(np.count_nonzero(self.live)), capacity=self.capacity,
                    hit_rate=self.totals["hits"] / self.totals["lookups"] if self.totals["lookups"] else 0.0)
         return out
 
