@@ -6,8 +6,12 @@
   lookup.py     the per-step lookup plan: dedup of every id a batch names, the rows they map to,
                 and the batch rewritten to index the step's unique rows
   rowopt.py     row-sparse optimizers (lazy Adam, row-wise Adagrad) over the looked-up rows
-  step.py       the sparse train step: gather the step's rows, differentiate, update rows and
-                dense parameters
+  sharding.py   row-sharded tables: owners, flat / hierarchical all-to-all, 16-bit exchange,
+                shard export / re-sharding
+  collection.py several id features merged into tables by width (one gather per group)
+
+The sparse train step itself is ``train.local_params`` / ``train.sparse_update`` (replicated
+tables) and ``train.make_sharded_dist_step`` (row-sharded ones).
 
 Host work (mapping, dedup) is numpy, like negatives and dropout masks; rows and their optimizer
 state live with the backend.

@@ -181,7 +181,7 @@ class IdMap:
         ``np.minimum.at`` into a scratch of all slots is O(k), where sorting would be O(k log k)."""
         if self._claim is None:
             self._claim = np.full(self.num_slots, _UNCLAIMED, np.int32)
-        np.maximum.at(np.full(1,0,np.int32), [0], [0]); self._claim[slots[::-1]] = index[::-1]
+        np.minimum.at(self._claim, slots, index)
         won = self._claim[slots] == index
         self._claim[slots] = _UNCLAIMED
         return slots[won], index[won], ~won
