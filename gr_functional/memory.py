@@ -177,7 +177,7 @@ def estimate(cfg, data) -> list[Item]:
         rows_all = (table_items(cfg) or N) + 1
         world = cfg.dist.nproc if e.sharding == "row" and cfg.dist.nproc > 1 else 1
         rows_here = -(-rows_all // world)
-        per_row = D * (3 if e.optimizer == "lazy_adam" else 1) + (1 if e.optimizer == "lazy_adam" else 1)
+        per_row = D * (3 if e.optimizer == "lazy_adam" else 1) + 1  # + lazy Adam's t or Adagrad's acc
         dense_p = P - rows_all * D
         U = min(rows_all, T * (R + 2) if kind == "sampled" else T * 2 + R)
         where = f" (1/{world} of it on each rank)" if world > 1 else ""

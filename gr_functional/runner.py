@@ -336,11 +336,6 @@ def _say(message: str) -> None:
     print(f"grf: {message}", file=sys.stderr, flush=True)
 
 
-def _dense_rows(cfg: Config):
-    """The dense table's initial rows (a sharded dense table, or a hash table with init = "dense")."""
-    return model.init_params(cfg.model, seed=cfg.train.seed)["item_emb"]
-
-
 def _missing_host(ck: Checkpoint):
     raise CheckpointError(f"checkpoint {ck.path} has no embedding table state (host.embedding.*) although its config "
                           f"uses embedding.optimizer={ck.config.embedding.optimizer!r}; the file is incomplete")
@@ -643,7 +638,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         host = make_host(cfg)
         saved = (restored.host or {}).get("embedding") or {}
         if sharded:
-            shard = make_sharded(B, cfg, comm, _dense_rows(cfg))
+            shard = make_sharded(B, cfg, comm)
             shard.load(saved["shards"])
         elif host.sparse:
             host.load_state_dict(saved or _missing_host(restored))

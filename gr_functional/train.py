@@ -43,6 +43,7 @@ from .balance import rank_loss_weight
 from .batch import HSTUBatch
 from .config import Config, Precision, choices
 from .embedding import rowopt
+from .embedding.lookup import looked_up_rows
 from .optim import adamw_init, adamw_update, learning_rate
 from .tree import tree_items, tree_map
 
@@ -234,10 +235,7 @@ def local_params(B, params: dict, lookup) -> dict:
     """``params`` with the item table replaced by the step's rows ``[S, D]`` (``lookup.rows``;
     fresh rows at their initial value ``lookup.init``): what the model and its gradient see when
     the batch's ids are local indices."""
-    xp = B.xp
-    rows = B.gather_rows(params[TABLE], lookup.rows)
-    rows = xp.where(xp.reshape(lookup.fresh, (-1, 1)), lookup.init, rows)
-    return {**params, TABLE: rows}
+    return {**params, TABLE: looked_up_rows(B, params[TABLE], lookup)}
 
 
 def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):

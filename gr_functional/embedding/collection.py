@@ -24,9 +24,8 @@ from typing import Literal
 
 import numpy as np
 
-from ..jagged import round_up_capacity
 from .hashtable import HashTable, hashed_init, mix64
-from .lookup import Lookup, local_indexer, unique_ids
+from .lookup import local_indexer, looked_up_rows, padded_lookup, unique_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,21 +117,13 @@ class EmbeddingCollection:
             if not mine:
                 continue
             uniq, _ = unique_ids([keys[n] for n in mine])
-            n = len(uniq)
-            slots = round_up_capacity(n + 1)
-            rows = np.zeros(slots, np.int32)
-            touched = np.zeros(slots, bool)
-            fresh = np.zeros(slots, bool)
-            init = np.zeros((slots, g.dim), np.float32)
             if g.kind == "dense":
-                rows[1:n + 1] = uniq
-                touched[1:n + 1] = True
+                lookups[g.name] = padded_lookup(uniq.astype(np.int32), np.zeros(len(uniq), bool),
+                                                np.zeros((0, g.dim)), g.dim)
             else:
                 got = self.tables[g.name].assign(uniq, step)
-                rows[1:n + 1], touched[1:n + 1], fresh[1:n + 1] = got.rows, got.rows > 0, got.fresh
-                if got.fresh.any():
-                    init[1:n + 1][got.fresh] = hashed_init(self.seed, uniq[got.fresh], g.dim)
-            lookups[g.name] = Lookup(rows, touched, fresh, init)
+                lookups[g.name] = padded_lookup(got.rows, got.fresh, hashed_init(self.seed, uniq[got.fresh], g.dim),
+                                                g.dim)
             index = local_indexer(uniq)
             for name in mine:
                 local[name] = index(keys[name])
@@ -143,12 +134,7 @@ def group_rows(B, tables: dict, lookups: dict) -> dict:
     """Per group, the step's rows ``[S, D]``: ONE ``gather_rows`` of its table (fresh rows at
     their initial value). This is what a step differentiates and a row-sparse optimizer updates
     (as ``train.local_params`` does for the item table). ``tables``: group name -> ``[rows, D]``."""
-    xp = B.xp
-    out = {}
-    for name, lk in lookups.items():
-        got = B.gather_rows(tables[name], lk.rows)
-        out[name] = xp.where(xp.reshape(lk.fresh, (-1, 1)), lk.init, got)
-    return out
+    return {name: looked_up_rows(B, tables[name], lk) for name, lk in lookups.items()}
 
 
 def feature_rows(B, rows: dict, local: dict, group_of: dict) -> dict:

@@ -72,6 +72,29 @@ class LookupStats:
         return self.unique * self.row_bytes
 
 
+def padded_lookup(rows: np.ndarray, fresh: np.ndarray, init: np.ndarray, dim: int) -> Lookup:
+    """The ``Lookup`` of a step's distinct ids: ``rows[n]`` int32 their table rows (0 = none),
+    ``fresh[n]`` which were (re)assigned this step, ``init[k, dim]`` the fresh ones' values; slot 0
+    is the padding id and the slots are padded to the ladder capacity (module docstring)."""
+    n = len(rows)
+    slots = round_up_capacity(n + 1)
+    out_rows = np.zeros(slots, np.int32)
+    out_rows[1:n + 1] = rows
+    out_fresh = np.zeros(slots, bool)
+    out_fresh[1:n + 1] = fresh
+    out_init = np.zeros((slots, dim), np.float32)
+    out_init[1:n + 1][np.asarray(fresh, bool)] = init
+    return Lookup(out_rows, out_rows > 0, out_fresh, out_init)
+
+
+def looked_up_rows(B, table, lookup: Lookup):
+    """``[S, D]``: ONE gather of a step's rows from ``table`` (fresh rows at their initial value):
+    what a step differentiates and a row-sparse optimizer updates."""
+    xp = B.xp
+    got = B.gather_rows(table, lookup.rows)
+    return xp.where(xp.reshape(lookup.fresh, (-1, 1)), lookup.init, got)
+
+
 def batch_ids(batch: HSTUBatch) -> list[np.ndarray]:
     """Every id array of ``batch`` (numpy; padding zeros included)."""
     arrays = [np.asarray(batch.tokens.values), np.asarray(batch.targets)]
@@ -182,30 +205,21 @@ class EmbeddingHost:
         """The ``Lookup`` of a step naming the distinct ``ids`` (increasing int64, 0 excluded)
         ``references`` times; inserts and evicts in a hash table (step = the optimizer step)."""
         n = len(ids)
-        slots = round_up_capacity(n + 1)
-        rows = np.zeros(slots, np.int32)
-        touched = np.zeros(slots, bool)
-        fresh = np.zeros(slots, bool)
-        init = np.zeros((slots, self.dim), np.float32)
         if self.table is None:
             if n and (ids[0] < 1 or ids[-1] > self.num_items):
                 bad = ids[(ids < 1) | (ids > self.num_items)][:3]
                 raise ValueError(f"ids {bad.tolist()} are outside 1..{self.num_items} of the dense item table; "
                                  f"use embedding.kind='hash' for raw ids")
-            rows[1:n + 1] = ids
-            touched[1:n + 1] = True
+            lookup = padded_lookup(ids.astype(np.int32), np.zeros(n, bool), np.zeros((0, self.dim)), self.dim)
         else:
             got = self.table.assign(ids, step)
-            rows[1:n + 1] = got.rows
-            touched[1:n + 1] = got.rows > 0
-            fresh[1:n + 1] = got.fresh
             new = ids[got.fresh]
-            if new.size:
-                init[1:n + 1][got.fresh] = self.initial_rows(new)
+            init = self.initial_rows(new) if new.size else np.zeros((0, self.dim), np.float32)
+            lookup = padded_lookup(got.rows, got.fresh, init, self.dim)
         self.totals["steps"] += 1
         self.totals["ids"] += references
         self.totals["unique"] += n
-        return Lookup(rows, touched, fresh, init), LookupStats(references, n, 4 * self.dim)
+        return lookup, LookupStats(references, n, 4 * self.dim)
 
     def initial_rows(self, ids: np.ndarray) -> np.ndarray:
         """``[n, D]`` float32: the value a hash row starts with for each id."""
@@ -259,14 +273,20 @@ class EmbeddingHost:
             self.table.load_state_dict(state["table"])
 
 
+def dense_init_rows(cfg: Config) -> np.ndarray:
+    """The rows the dense item table starts with (``model.init_params``), for a dense table
+    spread over shards and for ``embedding.init = "dense"``."""
+    from ..model import init_params
+
+    return init_params(cfg.model, seed=cfg.train.seed)["item_emb"]
+
+
 def make_host(cfg: Config, dense_rows: np.ndarray | None = None) -> EmbeddingHost:
     """The run's ``EmbeddingHost`` (``cfg.model.num_items`` resolved). ``dense_rows``: the dense
-    table's initial rows, computed from ``model.init_params`` when ``embedding.init = "dense"``
-    needs them and none are given."""
+    table's initial rows, computed (``dense_init_rows``) when ``embedding.init = "dense"`` needs
+    them and none are given."""
     if cfg.embedding.kind == "hash" and cfg.embedding.init == "dense" and dense_rows is None:
-        from ..model import init_params
-
-        dense_rows = init_params(cfg.model, seed=cfg.train.seed)["item_emb"]
+        dense_rows = dense_init_rows(cfg)
     return EmbeddingHost(cfg, cfg.model.num_items, dense_rows)
 
 

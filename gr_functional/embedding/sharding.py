@@ -176,15 +176,20 @@ class ShardedTable:
     def _row_bytes(self) -> int:
         return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
 
+    def _send(self, what: str, rows, send, recv):
+        """``rows`` (destination-major, ``send[r]`` for rank r) through one all-to-all in the
+        exchange precision (rows and their scales), counted as ``what``; the rows received."""
+        payload, scale = encode(self.B, rows, self.precision)
+        self._count(what, send, self._row_bytes())
+        got = self.comm.all_to_all(payload, send, recv)
+        got_scale = None if scale is None else self.comm.all_to_all(scale, send, recv)
+        return decode(self.B, got, got_scale, self.precision)
+
     def _back(self, hop: Hop, values):
         """Rows for ``hop.unique`` back to the senders; returns them in the sender's item order."""
         B = self.B
         expanded = B.gather_rows(values, B.asarray(hop.inverse.astype(np.int32)))
-        payload, scale = encode(B, expanded, self.precision)
-        self._count("rows", hop.recv, self._row_bytes())
-        got = self.comm.all_to_all(payload, hop.recv, hop.send)
-        got_scale = None if scale is None else self.comm.all_to_all(scale, hop.recv, hop.send)
-        arrived = decode(B, got, got_scale, self.precision)
+        arrived = self._send("rows", expanded, hop.recv, hop.send)
         inv = np.empty_like(hop.order)
         inv[hop.order] = np.arange(len(hop.order))
         return B.gather_rows(arrived, B.asarray(inv.astype(np.int32)))
@@ -193,11 +198,7 @@ class ShardedTable:
         """Gradients in the sender's item order to the receivers, summed there per unique id."""
         B = self.B
         sent = B.gather_rows(grads, B.asarray(hop.order.astype(np.int32)))
-        payload, scale = encode(B, sent, self.precision)
-        self._count("grads", hop.send, self._row_bytes())
-        got = self.comm.all_to_all(payload, hop.send, hop.recv)
-        got_scale = None if scale is None else self.comm.all_to_all(scale, hop.send, hop.recv)
-        arrived = decode(B, got, got_scale, self.precision)
+        arrived = self._send("grads", sent, hop.send, hop.recv)
         return B.segment_sum(arrived, B.asarray(hop.inverse.astype(np.int32)), len(hop.unique))
 
     # ------------------------------------------------------------------ a step
@@ -316,9 +317,13 @@ class ShardedTable:
 # ----------------------------------------------------------------------------- runs and checkpoints
 def make_sharded(B, cfg, comm, dense_rows=None) -> ShardedTable:
     """This rank's shard for ``cfg.embedding`` (``sharding = "row"``); ``dense_rows``: the dense
-    table's initial rows (needed by kind "dense" and by ``init = "dense"``)."""
+    table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given)."""
     e = cfg.embedding
     need_rows = e.kind == "dense" or e.init == "dense"
+    if need_rows and dense_rows is None:
+        from .lookup import dense_init_rows
+
+        dense_rows = dense_init_rows(cfg)
     return ShardedTable(B, comm, kind=e.kind, dim=cfg.model.embed_dim, num_items=cfg.model.num_items,
                         capacity=e.capacity, seed=cfg.train.seed, policy=e.policy, min_count=e.min_count,
                         optimizer=e.optimizer, dense_rows=dense_rows if need_rows else None,

@@ -82,11 +82,9 @@ def test_two_ranks_resume_a_single_process_checkpoint(tmp_path, single_torch):
     assert [r["step"] for r in _train_records(out)] == list(range(1, 21))
 
 
-def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
-    """loss.name = in_batch: the shared negatives are drawn from the GLOBAL batch's targets, so
-    each rank scores its sequences against the same ones as one process does."""
-    sets = ["train.max_steps=4", "train.epochs=2", "train.eval_every=100", "loss.name=in_batch",
-            "loss.num_negatives=32"]
+def _two_ranks_equal_one_process(tmp_path, sets, steps: int):
+    """Train ``sets`` in one process and on 2 gloo ranks; assert equal params and per-step losses;
+    return both runs' train records."""
     from gr_functional.runner import train
 
     train(tiny_config(*sets), tmp_path / "single", progress=False, resume="never")
@@ -96,26 +94,26 @@ def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
     err, leaf = worst_param_error(final_params(tmp_path / "dist"), final_params(tmp_path / "single"))
     assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
     got, want = _train_records(tmp_path / "dist"), _train_records(tmp_path / "single")
-    assert len(got) == 4 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
+    assert len(got) == steps and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"])
+                                     for g, w in zip(got, want))
+    return got, want
+
+
+def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
+    """loss.name = in_batch: the shared negatives are drawn from the GLOBAL batch's targets, so
+    each rank scores its sequences against the same ones as one process does."""
+    _two_ranks_equal_one_process(tmp_path, ["train.max_steps=4", "train.epochs=2", "train.eval_every=100",
+                                            "loss.name=in_batch", "loss.num_negatives=32"], steps=4)
 
 
 def test_hash_table_two_ranks_equal_single_process(tmp_path):
     """embedding.kind = hash below the catalogue (evictions) with lazy Adam: every rank maps the
     ids of the whole global batch, so the replicated tables take the same rows and updates as one
     process, and the logged table counters match."""
-    sets = ["train.max_steps=6", "train.epochs=3", "train.eval_every=100", "embedding.kind=hash",
-            "embedding.optimizer=lazy_adam", "embedding.capacity=90", "train.accumulate=2",
-            "loss.num_negatives=1"]
-    from gr_functional.runner import train
-
-    train(tiny_config(*sets), tmp_path / "single", progress=False, resume="never")
-    results = wait_all(spawn_ranks(tmp_path / "dist", *sets), timeout=120)
-    for rank, (rc, _, err) in enumerate(results):
-        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
-    err, leaf = worst_param_error(final_params(tmp_path / "dist"), final_params(tmp_path / "single"))
-    assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
-    got, want = _train_records(tmp_path / "dist"), _train_records(tmp_path / "single")
-    assert len(got) == 6 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
+    got, want = _two_ranks_equal_one_process(
+        tmp_path, ["train.max_steps=6", "train.epochs=3", "train.eval_every=100", "embedding.kind=hash",
+                   "embedding.optimizer=lazy_adam", "embedding.capacity=90", "train.accumulate=2",
+                   "loss.num_negatives=1"], steps=6)
     assert [g["embedding"] for g in got] == [w["embedding"] for w in want]
     assert got[-1]["embedding"]["table"]["evictions"] > 0
 
