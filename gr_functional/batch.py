@@ -15,7 +15,8 @@ from .jagged import Jagged, JaggedError
 
 _INT32_MAX = np.iinfo(np.int32).max
 
-NegativeKind = Literal["sampled", "in_batch", "none"]
+NegativeKind = Literal["sampled", "in_batch", "pool", "none"]
+NegativeSampler = Literal["uniform", "popularity"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +26,45 @@ class Negatives:
       "sampled"   negatives[T, count] int32, uniform ids in 1..N for every real token (GR)
       "in_batch"  shared_negatives[count] int32, the targets of ``count`` supervised positions
                   of the batch drawn uniformly with replacement, shared by every position
+      "pool"      shared_negatives[count] int32, ``count`` ids drawn with replacement from the
+                  sampler's distribution q over 1..N, shared by every position, and
+                  shared_logq[count] float32 = log(count * q(id)) (the sampled-softmax correction)
       "none"      neither
+
+    ``sampler`` ("pool" only): "uniform" (q = 1/N) or "popularity" (q proportional to
+    ``popularity ** alpha``, where ``popularity[N+1]`` counts each id's training events; ids never
+    seen are never drawn).
     """
 
     kind: NegativeKind = "sampled"
     count: int = 128
+    sampler: NegativeSampler = "uniform"
+    alpha: float = 1.0
+    popularity: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.kind == "pool" and self.sampler == "popularity":
+            if self.popularity is None:
+                raise ValueError("Negatives(sampler='popularity') needs popularity[N+1] (events per id)")
+            weights = np.asarray(self.popularity, dtype=np.float64) ** self.alpha
+            weights[0] = 0.0
+            weights[np.asarray(self.popularity) <= 0] = 0.0  # 0 ** 0 is 1: an unseen id stays undrawn
+            if not weights.sum() > 0:
+                raise ValueError("Negatives(sampler='popularity'): no id has a training event")
+            object.__setattr__(self, "_cdf", np.cumsum(weights))
+
+    def draw_pool(self, rng: np.random.Generator, num_items: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids[count] int32, logq[count] float32)``: one pool, ``logq = log(count * q(id))``."""
+        R = self.count
+        if self.sampler == "uniform":
+            ids = rng.integers(1, num_items + 1, size=R, dtype=np.int32)
+            return ids, np.full(R, np.log(R / num_items), dtype=np.float32)
+        cdf = self._cdf
+        if len(cdf) != num_items + 1:
+            raise ValueError(f"popularity covers ids 0..{len(cdf) - 1} but the data has {num_items} items")
+        ids = np.minimum(np.searchsorted(cdf, rng.random(R) * cdf[-1], side="right"), num_items)
+        q = (cdf[ids] - cdf[ids - 1]) / cdf[-1]
+        return ids.astype(np.int32), np.log(R * q).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +79,9 @@ class HSTUBatch:
       negatives   [T, R] int32 sampled negative ids, or None (evaluation; losses without them)
       input_keep  [T, D] float dropout keep-mask already scaled by 1/(1-p), or None (no dropout)
       block_keep  [N_blocks, T, H*dv] float, likewise for each block's output dropout, or None
-      shared_negatives  [R] int32 negatives shared by every position ("in_batch" losses), or None;
-                  not per-token: a rank's slice of a global batch keeps all of them
+      shared_negatives  [R] int32 negatives shared by every position ("in_batch" and "pool"
+                  losses), or None; not per-token: a rank's slice of a global batch keeps all of them
+      shared_logq [R] float32 log(R * q(id)) of each pooled negative ("pool" losses), or None
       lookup      embedding.lookup.Lookup or None: with a row-sparse embedding optimizer, the
                   table rows this step reads; every id above is then a local index into them
     """
@@ -60,6 +96,7 @@ class HSTUBatch:
     block_keep: Any = None
     shared_negatives: Any = None
     lookup: Any = None
+    shared_logq: Any = None
 
     @property
     def layout(self) -> Jagged:
@@ -134,7 +171,7 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
     q_arr = _pack(layout, [t - origin for t in q_ts], np.int32)
     tgt = _pack(layout, targets, np.int32)
     weights = (tgt > 0).astype(np.float32)
-    sampled = shared = input_keep = block_keep = None
+    sampled = shared = shared_logq = input_keep = block_keep = None
     if train:
         if rng is None:
             raise ValueError("make_batch(train=True) needs rng for negatives and dropout masks")
@@ -147,11 +184,14 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
             shared = np.zeros(negatives.count, dtype=np.int32)  # padding ids (masked) if nothing is supervised
             if supervised.size:
                 shared[:] = supervised[rng.integers(0, supervised.size, size=negatives.count)]
+        elif negatives.kind == "pool":
+            shared, shared_logq = negatives.draw_pool(rng, n_items)
         input_keep = _dropout_keep(rng, (T, cfg.embed_dim), cfg.input_dropout, real)
         if cfg.linear_dropout > 0:
             block_keep = np.stack([_dropout_keep(rng, (T, cfg.num_heads * cfg.dv), cfg.linear_dropout, real)
                                    for _ in range(cfg.num_blocks)])
-    return HSTUBatch(tokens, ts_arr, q_arr, tgt, weights, sampled, input_keep, block_keep, shared)
+    return HSTUBatch(tokens, ts_arr, q_arr, tgt, weights, sampled, input_keep, block_keep, shared,
+                     shared_logq=shared_logq)
 
 
 def _pack(layout: Jagged, seqs: Sequence[np.ndarray], dtype) -> np.ndarray:

@@ -31,6 +31,7 @@ Deterministic = Literal["auto", "on", "off"]
 DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
 Ties = Literal["file", "shuffle"]
+NegativeSamplerName = Literal["uniform", "popularity"]
 EmbeddingKind = Literal["dense", "hash"]
 EvictionPolicy = Literal["lru", "lfu"]
 EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
@@ -149,14 +150,22 @@ class ModelConfig:
 class LossConfig:
     """The training loss (gr_functional/losses.py): ``name`` is a registered loss; the shipped
     ones are "sampled_softmax" (GR's: each position's target against num_negatives uniformly
-    sampled items) and "in_batch" (the batch's other targets as negatives, TurboGR's shared
-    logits). Losses registered from a script (``@losses.register``, ``grf train --plugin``) read
+    sampled items), "in_batch" (the batch's other targets as negatives, TurboGR's shared
+    logits) and "shared_pool" (one pool of sampled negatives per batch, shared logits, logQ). Losses registered from a script (``@losses.register``, ``grf train --plugin``) read
     the same keys."""
 
     name: str = "sampled_softmax"
     # logits are cosine / temperature: 0 divides by zero (the loss is undefined)
     temperature: float = _range(0.05, gt=0.0)
-    num_negatives: int = _range(128, ge=1)  # sampled per supervised position (sampled_softmax)
+    # sampled per supervised position (sampled_softmax); the shared pool's size (in_batch, shared_pool)
+    num_negatives: int = _range(128, ge=1)
+    # The shared pool's sampler (losses whose negatives are "pool", e.g. "shared_pool"): "uniform"
+    # over 1..N, or "popularity" (q(id) proportional to training events ** popularity_alpha).
+    # logq subtracts log(num_negatives * q(id)) from each pooled negative's logit (the sampled-
+    # softmax correction: the pool then estimates the full softmax's denominator without bias).
+    sampler: NegativeSamplerName = "uniform"
+    popularity_alpha: float = _range(1.0, ge=0.0)
+    logq: bool = True
 
 
 Schedule = Literal["constant", "cosine", "linear"]
@@ -196,6 +205,10 @@ class TrainConfig:
     # Gradient accumulation: one optimizer step per `accumulate` consecutive loader batches, with
     # the loss normalised by the supervised tokens of all of them (a k-times larger batch).
     accumulate: int = _range(1, ge=1)
+    # Batches built ahead of the step on a background thread (gr_functional/data/prefetch.py):
+    # negatives, dropout masks and the rank split leave the step's critical path; the batches,
+    # and so the run, are bitwise those of prefetch = 0 (synchronous).
+    prefetch: int = _range(2, ge=0)
     # NaN/Inf guard: a step whose loss or gradient is not finite is skipped (params and optimizer
     # state unchanged) and logged; this many skipped steps in a row abort the run after saving
     # the last good state (0 = never abort).

@@ -130,6 +130,9 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
     lengths[0], lengths[-1] = 2, m.max_len + 1
     histories = [rng.integers(1, m.num_items + 1, n) for n in lengths]
     times = [np.cumsum(rng.integers(1, 10**5, n)) + 10**9 for n in lengths]
-    return make_batch(histories, times, m, rng=rng, num_items=m.num_items, negatives=negatives_for(cfg))
+    # a popularity sampler draws from these histories' own item counts
+    popularity = np.bincount(np.concatenate(histories), minlength=m.num_items + 1)
+    return make_batch(histories, times, m, rng=rng, num_items=m.num_items,
+                      negatives=negatives_for(cfg, popularity))
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .config import Config
+from .data.prefetch import PrefetchStats
 
 
 class LocalComm:
@@ -158,11 +159,12 @@ class LocalSteps:
         from .train import make_train_step
 
         self.B, self.loader, self.k = B, loader, cfg.train.accumulate
+        self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse else None
         self.fn = make_train_step(B, cfg)
 
     def batches(self, epoch: int, start: int):
-        return _groups(self.loader.epoch(epoch, start), self.k)
+        return _groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         stats = None
@@ -182,6 +184,7 @@ class RankSteps:
         from .train import make_dist_train_step, make_sharded_dist_step
 
         self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
+        self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse and shard is None else None
         self.shard, self.log_every = shard, cfg.train.log_every
         self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
@@ -189,7 +192,8 @@ class RankSteps:
     def batches(self, epoch: int, start: int):
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
         return _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
-                                              with_ids=self.host is not None), self.k)
+                                              with_ids=self.host is not None, prefetch=self.prefetch,
+                                              stats=self.prefetch_stats), self.k)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         self.comm.step = step
@@ -282,6 +286,7 @@ class Run:
     step_mean: float = 0.0
     run_start: float = 0.0
     last_epoch: bool = False  # the epoch ending is the run's last (train.epochs or max_steps)
+    batch_build: PrefetchStats | None = None  # batch-building seconds of this epoch (train.prefetch)
 
     @property
     def is_main(self) -> bool:
@@ -473,6 +478,10 @@ class EpochTiming(Hook):
         if run.rank_sum is not None:
             erec.update(rank_compute_s=[float(x) for x in run.rank_sum],
                         imbalance=run.step_max / max(run.step_mean, 1e-12) - 1.0)
+        if run.batch_build is not None:
+            # the worker's build seconds and the loop's wait for them: hidden = 1 - wait / build
+            erec["batch_build"] = {**run.batch_build.as_dict(), "prefetch": run.cfg.train.prefetch}
+            run.batch_build.reset()
         run.timing.write(erec)
 
 

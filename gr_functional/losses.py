@@ -13,6 +13,8 @@ every rank sees the same ones):
   "sampled"   batch.negatives[T, R] int32: R uniform ids in 1..N per position (GR's sampler)
   "in_batch"  batch.shared_negatives[R] int32: the targets of R supervised positions of the
               (global) batch, drawn uniformly with replacement and shared by every position
+  "pool"      batch.shared_negatives[R] int32 drawn from ``loss.sampler`` (uniform or
+              popularity ** alpha) and batch.shared_logq[R] = log(R q(id)), shared by every position
   "none"      neither
 
 A new loss is one function and one ``register`` call, from any module (an experiment script, or
@@ -103,9 +105,20 @@ def get(name: str) -> Loss:
         raise ConfigError(f"loss.name={name!r}: {unknown_message(name)}") from None
 
 
-def negatives_for(cfg: Config) -> Negatives:
-    """The negatives a training batch carries under ``cfg.loss``."""
-    return Negatives(get(cfg.loss.name).negatives, cfg.loss.num_negatives)
+def negatives_for(cfg: Config, popularity=None) -> Negatives:
+    """The negatives a training batch carries under ``cfg.loss``. ``popularity[N+1]`` (training
+    events per id) is needed by ``loss.sampler = "popularity"``."""
+    lc = cfg.loss
+    kind = get(lc.name).negatives
+    if lc.sampler != "uniform" and kind != "pool":
+        raise ConfigError(f"loss.sampler={lc.sampler!r} draws a shared pool, but loss {lc.name!r} takes "
+                          f"{kind!r} negatives; use loss.name='shared_pool' (or a loss registered with "
+                          f"negatives='pool'), or loss.sampler='uniform'")
+    if kind == "pool" and lc.sampler == "popularity" and popularity is None:
+        raise ConfigError("loss.sampler='popularity' needs the training data's item counts; "
+                          "this caller passed none")
+    return Negatives(kind, lc.num_negatives, lc.sampler, lc.popularity_alpha,
+                     popularity if kind == "pool" and lc.sampler == "popularity" else None)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -141,19 +154,38 @@ def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
     return softmax_nll(B, pos, neg, hit, batch.weights)
 
 
-@register("in_batch", negatives="in_batch")
-def in_batch(B, user, items, batch: HSTUBatch, cfg):
-    """In-batch negatives with shared logits (TurboGR's intra-batch logit sharing): every position
-    is scored against the same R items, targets of other positions of the batch
-    (``batch.shared_negatives[R]``), so the negative logits are one ``[T, D] x [D, R]`` matmul
-    instead of a ``[T, R, D]`` gather. Negatives equal to the position's target, or the padding
-    id, are masked. In-batch negatives follow the item popularity of the batch (no logQ
-    correction: popular items are pushed down more than under uniform sampling)."""
+def shared_softmax(B, user, items, batch: HSTUBatch, cfg, logq=None):
+    """Every position against the same R negatives ``batch.shared_negatives[R]``: the negative
+    logits are one ``[T, D] x [D, R]`` matmul instead of a ``[T, R, D]`` gather, and the R rows are
+    looked up once per batch. ``logq[R]`` (or None) is subtracted from the negative logits.
+    Negatives equal to the position's target (accidental hits), or the padding id, are masked."""
     xp = B.xp
     shared = batch.shared_negatives                                                            # [R]
     pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
     neg_items = B.gather_table(items, shared)                                                  # [R, D]
     neg = xp.matmul(user, xp.permute_dims(neg_items, (1, 0))) / cfg.temperature              # [T, R]
+    if logq is not None:
+        neg = neg - xp.reshape(xp.astype(logq, neg.dtype), (1, -1))
     hit = xp.logical_or(xp.reshape(shared, (1, -1)) == xp.reshape(batch.targets, (-1, 1)),
                         xp.reshape(shared, (1, -1)) == 0)
     return softmax_nll(B, pos, neg, hit, batch.weights)
+
+
+@register("in_batch", negatives="in_batch")
+def in_batch(B, user, items, batch: HSTUBatch, cfg):
+    """In-batch negatives with shared logits (TurboGR's intra-batch logit sharing): every position
+    is scored against the same R items, targets of other positions of the batch
+    (``batch.shared_negatives[R]``), one ``[T, D] x [D, R]`` matmul. In-batch negatives follow the
+    item popularity of the batch (no logQ correction: popular items are pushed down more than
+    under uniform sampling)."""
+    return shared_softmax(B, user, items, batch, cfg)
+
+
+@register("shared_pool", negatives="pool")
+def shared_pool(B, user, items, batch: HSTUBatch, cfg):
+    """One pool of R negatives per batch, drawn once from ``loss.sampler`` (uniform, or item
+    popularity ** ``loss.popularity_alpha``) and shared by every position: one lookup of R rows
+    and one ``[T, D] x [D, R]`` matmul, instead of GR's R private negatives per position (R row
+    gathers per token). With ``loss.logq`` each negative's logit is corrected by
+    ``-log(R q(id))`` (``batch.shared_logq``), so the pool's softmax estimates the full softmax."""
+    return shared_softmax(B, user, items, batch, cfg, batch.shared_logq if cfg.logq else None)

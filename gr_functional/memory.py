@@ -199,7 +199,7 @@ def estimate(cfg, data) -> list[Item]:
         else:
             items.append(Item("sampled-softmax logits (gathered rows)", rows * R * D * f * 4, "loss.num_negatives",
                               f"{rows:,} rows x {R:,} negatives x D={D} x {f} B x 4", negs, "step", dev))
-    elif kind == "in_batch":  # one [T, R] logit matrix (forward, its gradient, the mask)
+    elif kind in ("in_batch", "pool"):  # one [T, R] logit matrix (forward, its gradient, the mask)
         items.append(Item("shared-negative logits", T * R * f * 3, "loss.num_negatives",
                           f"T={T:,} tokens x {R:,} shared negatives x {f} B x 3", negs, "step", dev))
     items.append(Item("attention scores", nb * B * H * L * L * f * 4, "train.batch_size",

@@ -716,7 +716,7 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                unit="step", dynamic_ncols=True)
     run = Run(cfg=cfg, out=out, B=B, comm=comm, state=state, log=log, timing=timing, loader=train_loader,
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=params,
-              opt_state=opt_state, run_start=time.perf_counter())
+              opt_state=opt_state, run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
     if shard is not None:
         def view(run):  # the shards gathered to rank 0, as one table
             shards = comm.gather(shard.export())

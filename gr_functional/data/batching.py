@@ -20,6 +20,7 @@ unchanged), "lookahead" (``balance.plan_epoch``: sequences move between nearby g
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..embedding.lookup import batch_ids, unique_ids
 from ..jagged import Jagged, round_up_capacity, tile_capacities, tile_counts
 from ..errors import DataError
 from .sequences import SequenceData
+from .prefetch import Prefetch, PrefetchStats, timed
 from .split import EvalSet
 
 
@@ -154,9 +156,11 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
         out[tuple(index)] = np.take(x, rows, axis=axis)
         return out
 
-    return HSTUBatch(tokens, take(batch.ts), take(batch.query_ts), take(batch.targets), take(batch.weights),
-                     take(batch.negatives), take(batch.input_keep), take(batch.block_keep, axis=1),
-                     batch.shared_negatives, batch.lookup)
+    # shared_negatives, shared_logq and lookup belong to the whole batch: every slice keeps them
+    return dataclasses.replace(batch, tokens=tokens, ts=take(batch.ts), query_ts=take(batch.query_ts),
+                               targets=take(batch.targets), weights=take(batch.weights),
+                               negatives=take(batch.negatives), input_keep=take(batch.input_keep),
+                               block_keep=take(batch.block_keep, axis=1))
 
 
 class TrainLoader:
@@ -210,6 +214,7 @@ class TrainLoader:
         self._epoch = 0
         self._step = 0
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
+        self._plan_lock = threading.RLock()  # plans are cached; a prefetch thread reads them too
         self._assign_cache: tuple[int, list[np.ndarray]] | None = None
 
     @classmethod
@@ -219,8 +224,10 @@ class TrainLoader:
         from ..losses import negatives_for
 
         split = RankSplit.from_config(cfg, world_size) if world_size > 1 else None
-        return cls(data, cfg.model, cfg.train.batch_size, cfg.train.seed, cfg.model.num_items or data.num_items,
-                   max_tokens=cfg.train.max_tokens, split=split, negatives=negatives_for(cfg))
+        num_items = cfg.model.num_items or data.num_items
+        popularity = np.bincount(data.items, minlength=num_items + 1) if cfg.loss.sampler == "popularity" else None
+        return cls(data, cfg.model, cfg.train.batch_size, cfg.train.seed, num_items,
+                   max_tokens=cfg.train.max_tokens, split=split, negatives=negatives_for(cfg, popularity))
 
     def _check_split(self, split: RankSplit) -> None:
         R = split.world_size
@@ -246,6 +253,10 @@ class TrainLoader:
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         """User rows of each step of ``epoch`` (``[B_s] int64`` arrays that partition all users)."""
+        with self._plan_lock:
+            return self._plan(epoch)
+
+    def _plan(self, epoch: int) -> list[np.ndarray]:
         if self._plan_cache is not None and self._plan_cache[0] == epoch:
             return self._plan_cache[1]
         order = np.random.default_rng((self.seed, epoch)).permutation(self.num_users)
@@ -317,10 +328,11 @@ class TrainLoader:
         users = self.plan(epoch)[step]
         R = sp.world_size
         if sp.policy == "lookahead":
-            if self._assign_cache is None or self._assign_cache[0] != epoch:
-                self._plan_cache = None
-                self.plan(epoch)
-            return self._assign_cache[1][step]
+            with self._plan_lock:
+                if self._assign_cache is None or self._assign_cache[0] != epoch:
+                    self._plan_cache = None
+                    self._plan(epoch)
+                return self._assign_cache[1][step]
         tok = self.tokens[users]
         cap = sp.token_cap or None
         if sp.policy == "none":
@@ -385,26 +397,35 @@ class TrainLoader:
                 for r in range(self.split.world_size)]
 
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
-                   capacity: str | tuple[int, int] = "exact", with_ids: bool = False) -> Iterator[RankBatch]:
+                   capacity: str | tuple[int, int] = "exact", with_ids: bool = False, prefetch: int = 0,
+                   stats: PrefetchStats | None = None) -> Iterator[RankBatch]:
         """Like ``epoch`` but yields this rank's ``RankBatch`` of each global batch; moves the
         position the same way (every rank holds the same position)."""
-        n = self.steps_in_epoch(e)
-        for s in range(start_step, n):
-            part = self.rank_batch(e, s, rank, capacity=capacity, with_ids=with_ids)
-            self._epoch, self._step = (e, s + 1) if s + 1 < n else (e + 1, 0)
-            yield part
-        if start_step >= n:
-            self._epoch, self._step = e + 1, 0
+        return self._advance(e, start_step, lambda s: self.rank_batch(e, s, rank, capacity=capacity, with_ids=with_ids),
+                             prefetch, stats)
 
-    def epoch(self, e: int, start_step: int = 0) -> Iterator[HSTUBatch]:
-        """Batches of epoch ``e`` from ``start_step`` on; moves the position as it goes."""
+    def epoch(self, e: int, start_step: int = 0, *, prefetch: int = 0,
+              stats: PrefetchStats | None = None) -> Iterator[HSTUBatch]:
+        """Batches of epoch ``e`` from ``start_step`` on; moves the position as each is handed out.
+        ``prefetch > 0`` builds up to that many batches ahead on a background thread (prefetch.py):
+        the same batches, and the position still names the next batch the caller gets."""
+        return self._advance(e, start_step, lambda s: self.batch(e, s), prefetch, stats)
+
+    def _advance(self, e: int, start_step: int, make, prefetch: int, stats) -> Iterator:
         n = self.steps_in_epoch(e)
-        for s in range(start_step, n):
-            batch = self.batch(e, s)
-            self._epoch, self._step = (e, s + 1) if s + 1 < n else (e + 1, 0)
-            yield batch
-        if start_step >= n:
+
+        def items():  # (position after the item, item): built on the worker, applied on hand-out
+            for s in range(start_step, n):
+                yield ((e, s + 1) if s + 1 < n else (e + 1, 0)), make(s)
+
+        source = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
+        try:
+            for position, item in source:
+                self._epoch, self._step = position
+                yield item
             self._epoch, self._step = e + 1, 0
+        finally:
+            source.close()
 
     def __iter__(self) -> Iterator[HSTUBatch]:
         """The rest of the current epoch, from the saved position."""

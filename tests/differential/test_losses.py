@@ -18,13 +18,21 @@ CFG = ModelConfig(num_items=N_ITEMS, embed_dim=16, num_blocks=1, num_heads=2, dq
                   input_dropout=0.2, linear_dropout=0.2)
 
 
-def _batch(kind: str, count: int, seed: int = 0, events=(5, MAX_LEN + 1, 2, 9)):
+# (loss, negative kind, pool sampler): every shipped loss, the pool under both samplers
+CASES = [("sampled_softmax", "sampled", "uniform"), ("in_batch", "in_batch", "uniform"),
+         ("shared_pool", "pool", "uniform"), ("shared_pool", "pool", "popularity")]
+# skewed and with holes: ids 1..11 are frequent, 12..N_ITEMS rare, every 5th never seen
+POPULARITY = np.where(np.arange(N_ITEMS + 1) % 5 == 0, 0, np.where(np.arange(N_ITEMS + 1) < 12, 50, 1))
+
+
+def _batch(kind: str, count: int, seed: int = 0, events=(5, MAX_LEN + 1, 2, 9), sampler="uniform"):
     rng = np.random.default_rng(seed)
     # a small catalogue: targets repeat, so collisions (negative == target) are exercised
     histories = [rng.integers(1, 12, n) for n in events]
     times = [np.cumsum(rng.integers(0, 10**5, n)) + 10**9 for n in events]
     return make_batch(histories, times, CFG, rng=rng, num_items=N_ITEMS, b_cap=6,
-                      negatives=Negatives(kind, count))
+                      negatives=Negatives(kind, count, sampler, 0.75,
+                                          POPULARITY if sampler == "popularity" else None))
 
 
 def _normalise(x):
@@ -44,6 +52,8 @@ def _oracle(name: str, user, items, batch) -> float:
         shared = np.asarray(batch.shared_negatives)
         neg = user @ items[shared].T / TAU
         masked = (shared[None, :] == t[:, None]) | (shared[None, :] == 0)
+        if name == "shared_pool":  # logQ: -log(R q(id)), q from the sampler's own definition
+            neg = neg - np.asarray(batch.shared_logq, np.float64)[None, :]
     neg = np.where(masked, -5e4, neg)
     logits = np.concatenate([pos[:, None], neg], axis=1)
     m = logits.max(1, keepdims=True)
@@ -51,9 +61,9 @@ def _oracle(name: str, user, items, batch) -> float:
     return float((nll * w).sum() / max(w.sum(), 1.0))
 
 
-@pytest.mark.parametrize("name,kind", [("sampled_softmax", "sampled"), ("in_batch", "in_batch")])
-def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind):
-    batch = _batch(kind, 16)
+@pytest.mark.parametrize("name,kind,sampler", CASES)
+def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sampler):
+    batch = _batch(kind, 16, sampler=sampler)
     rng = np.random.default_rng(3)
     T = batch.layout.t_cap
     user = _normalise(rng.standard_normal((T, D)))
@@ -91,6 +101,33 @@ def test_in_batch_negatives_are_targets_of_the_batch():
     np.testing.assert_array_equal(shared, again.shared_negatives)  # drawn from the step's generator
 
 
+@pytest.mark.parametrize("alpha", [1.0, 0.5, 0.0])
+def test_popularity_pool_draws_from_popularity_to_the_alpha(alpha):
+    """The pool's empirical frequencies follow q ~ popularity ** alpha (unseen ids never drawn)
+    and shared_logq is log(R q(id)) for each drawn id."""
+    R = 200_000
+    neg = Negatives("pool", R, "popularity", alpha, POPULARITY)
+    ids, logq = neg.draw_pool(np.random.default_rng(0), N_ITEMS)
+    w = np.where(POPULARITY > 0, POPULARITY.astype(np.float64) ** alpha, 0.0)
+    w[0] = 0.0
+    q = w / w.sum()
+    freq = np.bincount(ids, minlength=N_ITEMS + 1) / R
+    assert freq[q == 0].sum() == 0
+    assert np.abs(freq - q).max() < 5 * np.sqrt(q.max() / R)  # 5 standard deviations
+    np.testing.assert_allclose(logq, np.log(R * q[ids]), rtol=1e-6)
+    uniform_ids, uniform_logq = Negatives("pool", 64).draw_pool(np.random.default_rng(0), N_ITEMS)
+    assert uniform_ids.min() >= 1 and uniform_ids.max() <= N_ITEMS
+    np.testing.assert_allclose(uniform_logq, np.log(64 / N_ITEMS), rtol=1e-6)
+
+
+def test_a_pool_sampler_with_a_loss_that_draws_no_pool_is_refused():
+    from gr_functional.errors import ConfigError
+
+    cfg = Config(model=CFG, loss=LossConfig(name="sampled_softmax", sampler="popularity"))
+    with pytest.raises(ConfigError, match="loss.sampler='popularity'.*shared_pool"):
+        losses.negatives_for(cfg, POPULARITY)
+
+
 def test_sampled_softmax_batches_are_unchanged_by_the_registry():
     """The default loss draws exactly the negatives and masks it drew before losses were a
     registry (make_batch's generator order): resumed and reproduced runs stay bitwise equal."""
@@ -103,8 +140,8 @@ def test_sampled_softmax_batches_are_unchanged_by_the_registry():
     np.testing.assert_array_equal(batch.negatives[:real], rng.integers(1, N_ITEMS + 1, size=(real, 7), dtype=np.int32))
 
 
-@pytest.mark.parametrize("name,kind", [("sampled_softmax", "sampled"), ("in_batch", "in_batch")])
-def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind):
+@pytest.mark.parametrize("name,kind,sampler", CASES)
+def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, sampler):
     from backends import get_backend
 
     from ..conftest import test_backend_names
@@ -114,7 +151,7 @@ def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind):
         pytest.skip("GRF_TEST_BACKENDS names one backend: nothing to compare")
     cfg = Config(model=CFG, loss=LossConfig(name=name, temperature=0.05, num_negatives=16),
                  optim=OptimConfig(lr=3e-3))
-    batches = [_batch(kind, 16, seed=s) for s in range(8)]
+    batches = [_batch(kind, 16, seed=s, sampler=sampler) for s in range(8)]
     curves = {}
     for bname in names:
         B = get_backend(bname)

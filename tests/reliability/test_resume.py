@@ -126,6 +126,20 @@ def test_same_seed_same_backend_identical(reference, tmp_path):
         assert np.array_equal(_final_params(out)[1][key], value), key
 
 
+def test_synchronous_batch_building_is_bitwise_the_prefetched_run(reference, tmp_path):
+    """train.prefetch=0 (batches built in the step's thread) vs the default (built ahead on a
+    worker thread, which also ran the kill-and-resume test above): the same run, bit for bit."""
+    out = tmp_path / "sync"
+    assert run_grf(out, *CKPT, "train.prefetch=0").returncode == 0
+    assert (out / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+    assert _eval_json(out) == _eval_json(reference)
+    for mine, ref in zip(_final_params(out)[1:], _final_params(reference)[1:]):
+        assert mine.keys() == ref.keys() and all(np.array_equal(mine[k], ref[k]) for k in ref)
+    epochs = [json.loads(line) for line in (reference / "timing.jsonl").read_text().splitlines()]
+    build = [e["batch_build"] for e in epochs if e["kind"] == "epoch"]
+    assert build and all(b["prefetch"] == 2 and b["items"] > 0 and b["build_s"] > 0 for b in build)
+
+
 def test_refused_resume_changes_nothing(reference, tmp_path):
     """A config that may not resume this run (or --resume without checkpoints) exits 2 with the
     reason and leaves every file as it was."""
