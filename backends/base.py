@@ -318,6 +318,20 @@ class Backend:
         rows = self.gather_rows(items, ids)                                   # [T, R, D]
         return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
 
+    def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
+                         masked_logit: float):
+        """``lse[T]``: the logsumexp of each position's ``[pos_t, scale <user_t, neg_items_r> -
+        neg_bias_r for r < R]``, a negative replaced by ``masked_logit`` where ``neg_ids[r]``
+        equals ``targets[t]`` (an accidental hit) or 0 (padding). The shared-negatives softmax
+        (losses.shared_softmax): user[T, D], neg_items[R, D], neg_ids[R] int32, targets[T] int32,
+        pos[T], neg_bias[R]. Differentiable in user, neg_items, pos and neg_bias."""
+        xp = self.xp
+        neg = xp.matmul(user, xp.permute_dims(neg_items, (1, 0))) * scale - xp.reshape(neg_bias, (1, -1))
+        hit = xp.logical_or(xp.reshape(neg_ids, (1, -1)) == xp.reshape(targets, (-1, 1)),
+                            xp.reshape(neg_ids, (1, -1)) == 0)
+        neg = xp.where(hit, xp.full_like(neg, masked_logit), neg)
+        return self.logsumexp(xp.concat([xp.reshape(pos, (-1, 1)), neg], axis=1), axis=1)
+
     def time_bucket_thresholds(self, num_buckets: int):
         # cache the numpy table only: a backend array made while JAX traces would be a tracer
         if num_buckets not in self._thresholds_cache:

@@ -165,6 +165,13 @@ class TorchBackend(Backend):
         dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
         return _chunked_sampled_logits(self._torch)(user, items, ids, dense)
 
+    def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
+                         masked_logit: float):
+        """Row-chunked (``_chunked_shared_logsumexp``): the ``[T, R]`` logits and their gradient
+        exist one ``[chunk, R]`` block at a time, in cache, instead of as ~6 whole-matrix passes."""
+        return _chunked_shared_logsumexp(self._torch)(user, neg_items, neg_ids.long(), targets.long(), pos,
+                                                      neg_bias, float(scale), float(masked_logit))
+
 
 # ----------------------------------------------------------------------------- fused ops
 SAMPLED_LOGITS_CHUNK_ROWS = 1024
@@ -235,3 +242,62 @@ def _chunked_sampled_logits(torch):
 
     _FUNCTIONS["sampled_logits"] = ChunkedSampledLogits
     return ChunkedSampledLogits.apply
+
+
+def _chunked_shared_logsumexp(torch):
+    """``autograd.Function`` of ``Backend.shared_logsumexp`` on ``SAMPLED_LOGITS_CHUNK_ROWS`` rows
+    at a time. Forward keeps only ``lse[T]``; backward recomputes each block's logits, its softmax
+    ``p = exp(logit - lse)`` (0 on masked cells) and gives ``d pos = g exp(pos - lse)``,
+    ``d user_c = scale (g p) @ neg_items``, ``d neg_items += scale (g p)^T @ user_c``,
+    ``d neg_bias -= sum_t g p``. Low-precision inputs are computed in fp32; lse is fp32 then, as
+    the mixed-precision ``logsumexp``."""
+    if "shared_logsumexp" in _FUNCTIONS:
+        return _FUNCTIONS["shared_logsumexp"].apply
+
+    def chunks(n):
+        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
+
+    def acc_dtype(x):
+        return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+    def block(user_c, neg_t, neg_ids, targets_c, bias, scale, masked_logit):
+        logits = torch.addmm(bias, user_c, neg_t, beta=-1.0, alpha=scale)                    # [c, R]
+        hit = (neg_ids.unsqueeze(0) == targets_c.unsqueeze(1)) | (neg_ids == 0).unsqueeze(0)
+        return logits.masked_fill_(hit, masked_logit), hit
+
+    class ChunkedSharedLogsumexp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, user, neg_items, neg_ids, targets, pos, neg_bias, scale, masked_logit):
+            acc = acc_dtype(user)
+            neg_t, bias, pos_a = neg_items.to(acc).t(), neg_bias.to(acc), pos.to(acc)
+            lse = torch.empty(user.shape[0], dtype=acc, device=user.device)
+            for rows in chunks(user.shape[0]):
+                logits, _ = block(user[rows].to(acc), neg_t, neg_ids, targets[rows], bias, scale, masked_logit)
+                m = torch.maximum(logits.amax(dim=1), pos_a[rows])
+                total = torch.exp(logits - m.unsqueeze(1)).sum(dim=1) + torch.exp(pos_a[rows] - m)
+                lse[rows] = m + torch.log(total)
+            ctx.save_for_backward(user, neg_items, neg_ids, targets, pos, neg_bias, lse)
+            ctx.scale, ctx.masked_logit = scale, masked_logit
+            return lse if acc != user.dtype else lse.to(pos.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            user, neg_items, neg_ids, targets, pos, neg_bias, lse = ctx.saved_tensors
+            acc, scale = acc_dtype(user), ctx.scale
+            neg_a, bias, g_all = neg_items.to(acc), neg_bias.to(acc), grad.to(acc)
+            neg_t = neg_a.t()
+            d_user = torch.empty_like(user)
+            d_neg = torch.zeros(neg_items.shape, dtype=acc, device=user.device)
+            d_bias = torch.zeros(neg_bias.shape, dtype=acc, device=user.device)
+            for rows in chunks(user.shape[0]):
+                u = user[rows].to(acc)
+                logits, hit = block(u, neg_t, neg_ids, targets[rows], bias, scale, ctx.masked_logit)
+                gp = torch.exp(logits - lse[rows].unsqueeze(1)).masked_fill_(hit, 0.0).mul_(g_all[rows].unsqueeze(1))
+                d_user[rows] = (gp @ neg_a).mul_(scale).to(user.dtype)
+                d_neg.addmm_(gp.t(), u, alpha=scale)
+                d_bias.sub_(gp.sum(dim=0))
+            d_pos = (g_all * torch.exp(pos.to(acc) - lse)).to(pos.dtype)
+            return d_user, d_neg.to(neg_items.dtype), None, None, d_pos, d_bias.to(neg_bias.dtype), None, None
+
+    _FUNCTIONS["shared_logsumexp"] = ChunkedSharedLogsumexp
+    return ChunkedSharedLogsumexp.apply

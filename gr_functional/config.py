@@ -338,6 +338,10 @@ class EmbeddingConfig:
     node_size: int = _range(0, ge=0)  # ranks per node (hierarchical groups, intra/inter byte split); 0 = 1
     hierarchical: bool = False        # two-level all-to-all: inside the node first, then across nodes
     exchange: ExchangePrecision = "fp32"  # exchanged rows and gradients; 16-bit ones carry a scale per row
+    # Semi-asynchronous sparse updates (README "Semi-asynchronous sparse updates"): the row update
+    # of step i is applied at step i + staleness, so each step reads rows at most `staleness`
+    # updates old; dense parameters stay synchronous. 0 = synchronous. Row-sparse optimizers only.
+    staleness: int = _range(0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -525,6 +529,12 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
                                           "(ranks per node, dividing dist.nproc)")
     if emb.node_size and cfg.dist.nproc > 1 and cfg.dist.nproc % emb.node_size:
         fail("embedding", "node_size", f"must divide dist.nproc={cfg.dist.nproc}")
+    if emb.staleness and emb.optimizer == "adamw":
+        fail("embedding", "staleness", "delays the row-sparse updates of the table: set embedding.optimizer to "
+                                       "'lazy_adam' or 'rowwise_adagrad'")
+    if emb.staleness and emb.sharding == "row":
+        fail("embedding", "staleness", "is implemented for replicated tables (one process, or "
+                                       "embedding.sharding = 'replicated'); row-sharded tables update synchronously")
     if emb.kind == "dense" and emb.capacity:
         fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
                                       "applies to embedding.kind = 'hash'")

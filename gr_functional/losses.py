@@ -156,19 +156,20 @@ def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
 
 def shared_softmax(B, user, items, batch: HSTUBatch, cfg, logq=None):
     """Every position against the same R negatives ``batch.shared_negatives[R]``: the negative
-    logits are one ``[T, D] x [D, R]`` matmul instead of a ``[T, R, D]`` gather, and the R rows are
-    looked up once per batch. ``logq[R]`` (or None) is subtracted from the negative logits.
-    Negatives equal to the position's target (accidental hits), or the padding id, are masked."""
+    logits are one ``[T, D] x [D, R]`` product instead of a ``[T, R, D]`` gather, and the R rows
+    are looked up once per batch (``B.shared_logsumexp``: torch never materialises the whole
+    ``[T, R]`` logits). ``logq[R]`` (or None) is subtracted from the negative logits. Negatives
+    equal to the position's target (accidental hits), or the padding id, are masked."""
     xp = B.xp
     shared = batch.shared_negatives                                                            # [R]
     pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
     neg_items = B.gather_table(items, shared)                                                  # [R, D]
-    neg = xp.matmul(user, xp.permute_dims(neg_items, (1, 0))) / cfg.temperature              # [T, R]
-    if logq is not None:
-        neg = neg - xp.reshape(xp.astype(logq, neg.dtype), (1, -1))
-    hit = xp.logical_or(xp.reshape(shared, (1, -1)) == xp.reshape(batch.targets, (-1, 1)),
-                        xp.reshape(shared, (1, -1)) == 0)
-    return softmax_nll(B, pos, neg, hit, batch.weights)
+    bias = xp.zeros(shared.shape, dtype=pos.dtype, device=B.array_device) if logq is None else xp.astype(logq, pos.dtype)
+    lse = B.shared_logsumexp(user, neg_items, shared, batch.targets, pos, bias, 1.0 / cfg.temperature,
+                             MASKED_LOGIT)
+    nll = lse - xp.astype(pos, lse.dtype)
+    total = xp.sum(batch.weights)
+    return xp.sum(nll * batch.weights) / xp.maximum(total, xp.ones_like(total))
 
 
 @register("in_batch", negatives="in_batch")

@@ -43,7 +43,7 @@ from .balance import rank_loss_weight
 from .batch import HSTUBatch
 from .config import Config, Precision, choices
 from .embedding import rowopt
-from .embedding.lookup import looked_up_rows
+from .embedding.lookup import Lookup, looked_up_rows
 from .optim import adamw_init, adamw_update, learning_rate
 from .tree import tree_items, tree_map
 
@@ -63,16 +63,28 @@ def init_opt_state(B, params: dict, cfg: Config) -> dict:
     """AdamW state ``{"step", "mu", "nu"}`` (``optim.adamw_init``), plus for fp16 the dynamic loss
     scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``. With a
     row-sparse embedding optimizer, AdamW covers the dense parameters only and ``"rows"`` holds
-    the table's per-row state (``embedding.rowopt.init_row_state``)."""
+    the table's per-row state (``embedding.rowopt.init_row_state``) and, with
+    ``embedding.staleness = k > 0``, ``"pending"``: the k row updates not yet applied
+    (``init_pending``)."""
     if row_sparse(cfg) and TABLE in params:  # (a row-sharded table keeps its state in its shards)
         table = params[TABLE]
         state = adamw_init(B, _dense(params))
         state["rows"] = rowopt.init_row_state(B, cfg.embedding.optimizer, table.shape[0], table.shape[1])
+        if cfg.embedding.staleness:
+            state["pending"] = init_pending(B, cfg.embedding.staleness, table.shape[1])
     else:
         state = adamw_init(B, params)
     if cfg.backend.precision == "fp16":
         state["loss_scale"] = init_loss_scale(B, cfg)
     return state
+
+
+def init_pending(B, k: int, dim: int) -> list:
+    """k empty pending row updates ``{"rows": [1] int32 (0: no row), "grads": [1, dim]}``, oldest
+    first; each step appends its own and applies the oldest (``stale_row_update``)."""
+    xp = B.xp
+    return [{"rows": xp.zeros((1,), dtype=xp.int32, device=B.array_device),
+             "grads": xp.zeros((1, dim), dtype=B.float_dtype, device=B.array_device)} for _ in range(k)]
 
 
 def _dense(tree: dict) -> dict:
@@ -192,13 +204,23 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     if others_ok is not None:
         grads_ok = xp.logical_and(grads_ok, others_ok)
     adam = {k: opt_state[k] for k in _ADAM_KEYS}
+    stale = lookup is not None and "pending" in opt_state
     if lookup is None:
         new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
         update_ok, ratio = update_health(B, params, new_params, new_adam)
     else:
         new_dense, new_adam = adamw_update(B, _dense(grads), adam, _dense(params), cfg.optim)
-        old_rows, new_rows, old_state, new_state = sparse_update(B, opt_state["rows"], view[TABLE], grads[TABLE],
-                                                                 lookup, new_adam["step"], cfg)
+        if stale:  # this step's rows are refreshed now; the update applied is the oldest pending one
+            table, row_state, pending = refresh_rows(B, params[TABLE], opt_state["rows"], opt_state["pending"],
+                                                     view[TABLE], lookup)
+            due = pending[0]
+            applied = Lookup(due["rows"], due["rows"] > 0, xp.zeros(due["rows"].shape, dtype=xp.bool,
+                                                                     device=B.array_device), None)
+            old_rows, new_rows, old_state, new_state = sparse_update(
+                B, row_state, B.gather_rows(table, due["rows"]), due["grads"], applied, new_adam["step"], cfg)
+        else:
+            old_rows, new_rows, old_state, new_state = sparse_update(B, opt_state["rows"], view[TABLE], grads[TABLE],
+                                                                     lookup, new_adam["step"], cfg)
         update_ok, ratio = update_health(B, {**_dense(params), TABLE: old_rows}, {**new_dense, TABLE: new_rows},
                                          {**new_adam, "rows": new_state})
     ok = xp.logical_and(grads_ok, update_ok)
@@ -209,6 +231,14 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     if lookup is None:
         params = tree_map(keep, new_params, params)
         state = tree_map(keep, new_adam, adam)
+    elif stale:
+        # a skipped step drops its own row gradient and the pending one it would have applied
+        table = B.set_rows(table, applied.rows, keep(new_rows, old_rows))
+        rows_state = rowopt.scatter_state(B, row_state, applied.rows, tree_map(keep, new_state, old_state))
+        mine = xp.where(xp.logical_and(lookup.touched, ok), lookup.rows, xp.zeros_like(lookup.rows))
+        params = {**tree_map(keep, new_dense, _dense(params)), TABLE: table}
+        state = {**tree_map(keep, new_adam, adam), "rows": rows_state,
+                 "pending": [*pending[1:], {"rows": mine, "grads": grads[TABLE]}]}
     else:
         # rows are written back even for a skipped step: fresh rows must hold their initial value
         table = B.set_rows(params[TABLE], lookup.rows, keep(new_rows, old_rows))
@@ -251,6 +281,24 @@ def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):
     new_rows, new_state = rowopt.row_update(B, cfg.embedding.optimizer, rows, grads, old_state, lookup.touched,
                                             lr, ocfg)
     return rows, new_rows, old_state, new_state
+
+
+def refresh_rows(B, table, row_state: dict, pending: list, rows, lookup):
+    """Semi-asynchronous updates (``embedding.staleness``): the step's fresh rows take their
+    initial value (``rows[S, D]``, the step's view of its rows) and a zero optimizer state NOW,
+    since the next steps read them before this step's update lands; and pending updates of rows
+    re-assigned this step (an evicted id's row given to another id) are dropped, because their
+    gradient belongs to the old id. ``(table, row_state, pending)``; donates table and row_state."""
+    xp = B.xp
+    table = B.set_rows(table, lookup.rows, rows)
+    fresh_rows = xp.where(lookup.fresh, lookup.rows, xp.zeros_like(lookup.rows))
+    row_state = rowopt.reset_rows(B, row_state, fresh_rows)
+    # one flag per table row (row 0, the padding row, is never updated: flagging it changes nothing)
+    flag = B.set_rows(xp.zeros((table.shape[0],), dtype=xp.int32, device=B.array_device), fresh_rows,
+                      xp.ones(fresh_rows.shape, dtype=xp.int32, device=B.array_device))
+    pending = [{"rows": xp.where(B.gather_rows(flag, p["rows"]) > 0, xp.zeros_like(p["rows"]), p["rows"]),
+                "grads": p["grads"]} for p in pending]
+    return table, row_state, pending
 
 
 # ----------------------------------------------------------------------------- the step

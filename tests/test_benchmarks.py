@@ -62,3 +62,17 @@ def test_embedding_bench_json(capsys):
     assert memory["evictions"] == memory["stream_ids"] - memory["capacity"]
     dedup = [r for r in rows if r["section"] == "dedup"][0]
     assert dedup["unique_per_step"] < dedup["ids_per_step"] and dedup["reduction"] > 1
+
+
+def test_pipeline_bench_json(capsys):
+    from benchmarks import pipeline
+    from gr_functional.config import load_config
+
+    sets = ["data.synthetic_users=120", "data.synthetic_max_events=30", "model.max_len=16", "model.embed_dim=16",
+            "model.dqk=8", "model.dv=8", "loss.num_negatives=8", "train.batch_size=16"]
+    rows = pipeline.run(json_lines=True, cfg=load_config(None, sets), backends=["torch"], steps=3, warmup=1)
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [r["prefetch"] for r in rows] == [0, 2]
+    for r in rows:
+        assert r["steps"] == 3 and 0 < r["busy"] <= 1 and r["build_s"] > 0 and r["tokens_per_s"] > 0
+    assert rows[0]["wait_s"] == rows[0]["build_s"] and rows[0]["hidden"] == 0.0  # synchronous: nothing hidden

@@ -246,3 +246,35 @@ def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng, n_ite
         assert rel_err(outs[0], outs[1]) <= tol
         assert rel_err(grads[0][0], grads[1][0]) <= tol
         assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == torch.float32 else tol)
+
+
+def test_torch_chunked_shared_logsumexp_matches_reference_across_chunks(rng):
+    """The shared-negatives logsumexp (shared_pool / in_batch losses): torch's row-chunked op vs
+    the reference formulation (Backend.shared_logsumexp) over several chunks, with accidental
+    hits, padding negatives and a bias, fp32 and bf16; outputs and all four gradients."""
+    import torch
+
+    from backends import torch as torch_backend
+    from backends.base import Backend
+
+    B = get_backend("torch")
+    T, R, D, scale = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 48, 8, 20.0
+    user = (rng.standard_normal((T, D)) / np.sqrt(D)).astype(np.float32)
+    negs = (rng.standard_normal((R, D)) / np.sqrt(D)).astype(np.float32)
+    neg_ids = rng.integers(0, 30, R).astype(np.int32)       # repeats, zeros (padding)
+    targets = rng.integers(0, 30, T).astype(np.int32)       # hits on many rows
+    pos = rng.standard_normal(T).astype(np.float32) * 5
+    bias = rng.standard_normal(R).astype(np.float32)
+    cot = rng.standard_normal(T).astype(np.float32)
+    for dtype, tol in ((torch.float32, FWD_TOL), (torch.bfloat16, 2e-2)):
+        outs, grads = [], []
+        # the reference in fp32 on the same (rounded) inputs: the chunked op accumulates in fp32
+        for op, op_dtype in ((B.shared_logsumexp, dtype), (lambda *a: Backend.shared_logsumexp(B, *a), torch.float32)):
+            x = [torch.tensor(a, dtype=dtype).to(op_dtype).requires_grad_() for a in (user, negs, pos, bias)]
+            out = op(x[0], x[1], torch.tensor(neg_ids), torch.tensor(targets), x[2], x[3], scale, -5e4)
+            (out.float() * torch.tensor(cot)).sum().backward()
+            outs.append(out.float().detach().numpy())
+            grads.append([t.grad.float().numpy() for t in x])
+        assert rel_err(outs[0], outs[1]) <= tol
+        for mine, ref in zip(*grads):
+            assert rel_err(mine, ref) <= (GRAD_TOL if dtype == torch.float32 else tol)
