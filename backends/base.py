@@ -63,7 +63,8 @@ class Backend:
 
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
-                  "sampled_logits", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul")
+                  "sampled_logits", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
+                  "hstu_norm_mul")
     # sampled_logits scores all items with one matmul when the catalogue is at most this many
     # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows: ~2.5x in a one-off
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers

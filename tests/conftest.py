@@ -8,6 +8,19 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Triton kernels run in the CPU interpreter in tests; it is read when @triton.jit decorates, so it
 # must be set before any test module imports npu_ops.triton_hstu.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One XLA compilation cache for the whole session, this process and every `grf train --backend
+# jax` it starts: many tests compile the same programs (same model, same shapes), and on 2 cores
+# compiling is most of a JAX test's time. Set before jax is imported (it reads them at import).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _jax_cache = tempfile.mkdtemp(prefix="grf-test-jax-cache-")
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 def test_backend_names():

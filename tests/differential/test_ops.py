@@ -17,8 +17,10 @@ from .common import (FWD_TOL, GRAD_TOL, LAYOUT_CASES, attention_bias, attention_
 
 
 def test_kernel_op_list_is_covered():
+    # shared_logsumexp: through the shared_pool / in_batch losses vs their float64 oracle on every
+    # backend (test_losses.py) and torch's chunked form vs the reference (below)
     tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
-              "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
+              "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
     assert set(Backend.KERNEL_OPS) == tested
 
 

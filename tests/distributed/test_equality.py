@@ -149,7 +149,9 @@ def row_sharded(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("row_sharded")
     train(tiny_config(*ROW_SHARDED), root / "single", progress=False, resume="never")
-    _launch(root / "dist", *ROW_SHARDED, "embedding.sharding=row")
+    # checkpoints at steps 3 and 6 (and the epoch end, 5): the resume test below starts from step 3
+    _launch(root / "dist", *ROW_SHARDED, "embedding.sharding=row", "train.checkpoint_every=3",
+            "train.keep_checkpoints=0")
     return root
 
 
@@ -180,9 +182,14 @@ def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp
 
     from gr_functional.runner import evaluate_checkpoint
 
+    from gr_functional.checkpoint import CheckpointDir
+
     sets = [*ROW_SHARDED, "embedding.sharding=row"]
-    _launch(tmp_path / "same", *sets, "train.max_steps=3")
-    shutil.copytree(tmp_path / "same", tmp_path / "four")
+    for name in ("same", "four"):  # the 2-rank run as if stopped after step 3
+        shutil.copytree(row_sharded / "dist", tmp_path / name)
+        for step, path in CheckpointDir(tmp_path / name / "checkpoints").steps():
+            if step > 3:
+                path.unlink()
     _launch(tmp_path / "same", *sets)
     _launch(tmp_path / "four", *sets, world=4)
     whole, same, four = (_train_records(p) for p in (row_sharded / "dist", tmp_path / "same", tmp_path / "four"))

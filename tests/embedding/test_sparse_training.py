@@ -119,7 +119,7 @@ def test_config_refuses_meaningless_embedding_settings(sets, key):
 
 
 def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
-    """The torch run's step-6 checkpoint (table rows, id map, lazy Adam state) continues on JAX:
+    """The torch run's step-12 checkpoint (table rows, id map, lazy Adam state) continues on JAX:
     the same table decisions (counters) and losses within the cross-backend tolerance."""
     import shutil
 
@@ -128,7 +128,7 @@ def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
     out = tmp_path / "jax"
     shutil.copytree(hash_reference, out)
     for step, path in CheckpointDir(out / "checkpoints").steps():
-        if step > 6:
+        if step > 12:
             path.unlink()
     proc = run_grf(out, *HASH_RUN, args=("--backend", "jax"))
     assert proc.returncode == 0, proc.stderr
