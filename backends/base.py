@@ -63,7 +63,7 @@ class Backend:
 
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
-                  "sampled_logits", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
+                  "sampled_logits", "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
                   "hstu_norm_mul")
     # sampled_logits scores all items with one matmul when the catalogue is at most this many
     # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows: ~2.5x in a one-off
@@ -317,6 +317,27 @@ class Backend:
         if n_items <= self.DENSE_LOGITS_MAX_RATIO * n_ids:
             return xp.take_along_axis(xp.matmul(user, xp.permute_dims(items, (1, 0))), ids, axis=1)
         rows = self.gather_rows(items, ids)                                   # [T, R, D]
+        return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
+
+    def quantize_16bit(self, x, scale, precision: str):
+        """``x`` stored in 16 bits with fp32 scales, read back: ``cast(cast(x / scale, 16-bit),
+        x.dtype) * scale``, precision "fp16" | "bf16", ``scale`` broadcasting against ``x`` (> 0).
+        The gradient is straight-through (the identity in ``x``): the 16-bit copy is a storage and
+        transfer format of rows whose fp32 master copy keeps learning."""
+        xp = self.xp
+        low = xp.astype(self.cast(x / scale, "float16" if precision == "fp16" else "bfloat16"), x.dtype) * scale
+        return x + self.stop_gradient(low - x)
+
+    def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
+        """``out[t, r] = <user[t], q(items[ids[t, r]])>`` where ``q`` is ``quantize_16bit`` with the
+        position's scale ``scale[t]`` (> 0; losses.segment_scales gives each jagged segment one):
+        user[T, D], items[N, D], ids[T, R] int32, scale[T] -> [T, R]. The negatives a position
+        reads are 16-bit values (half the bytes of the ``[T, R, D]`` gather); gradients reach
+        ``items`` straight through and ``user`` through the 16-bit values. Always the row-gather
+        formulation (the dense one would need the catalogue rounded once per segment)."""
+        xp = self.xp
+        rows = self.gather_rows(items, ids)                                   # [T, R, D]
+        rows = self.quantize_16bit(rows, xp.reshape(scale, (-1, 1, 1)), precision)
         return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
 
     def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,

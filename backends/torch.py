@@ -165,6 +165,13 @@ class TorchBackend(Backend):
         dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
         return _chunked_sampled_logits(self._torch)(user, items, ids, dense)
 
+    def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
+        """Row-chunked like ``sampled_logits`` (``_chunked_sampled_logits_16bit``): each chunk's
+        ``[c, R, D]`` rows are rounded to 16 bits with their positions' scales while in cache, and
+        backward recomputes them; nothing ``[T, R, D]`` is ever whole."""
+        low = self._torch.float16 if precision == "fp16" else self._torch.bfloat16
+        return _chunked_sampled_logits_16bit(self._torch)(user, items, ids.long(), scale, low)
+
     def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
                          masked_logit: float):
         """Row-chunked (``_chunked_shared_logsumexp``): the ``[T, R]`` logits and their gradient
@@ -242,6 +249,55 @@ def _chunked_sampled_logits(torch):
 
     _FUNCTIONS["sampled_logits"] = ChunkedSampledLogits
     return ChunkedSampledLogits.apply
+
+
+def _chunked_sampled_logits_16bit(torch):
+    """``autograd.Function`` of ``Backend.sampled_logits_16bit``, ``SAMPLED_LOGITS_CHUNK_ROWS``
+    positions at a time: gather the chunk's rows, round ``rows / scale`` to the 16-bit dtype and
+    back, dot with the chunk's users. Backward recomputes the rounded rows: ``d user_c = g_c .
+    q_c``, ``d items += index_add(g_c x user_c)`` (straight through the rounding), in fp32 for
+    low-precision inputs."""
+    if "sampled_logits_16bit" in _FUNCTIONS:
+        return _FUNCTIONS["sampled_logits_16bit"].apply
+
+    def chunks(n):
+        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
+
+    def rounded(items, ids_c, scale_c, low, acc):                                       # [c, R, D]
+        # in place: one [c, R, D] array at the accumulation width and its 16-bit copy alive at once
+        picked = items.index_select(0, ids_c.reshape(-1)).view(*ids_c.shape, -1).to(acc)
+        s = scale_c.to(acc).view(-1, 1, 1)
+        return picked.copy_(picked.div_(s).to(low)).mul_(s)
+
+    class ChunkedSampledLogits16(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, user, items, ids, scale, low):
+            ctx.save_for_backward(user, items, ids, scale)
+            ctx.low = low
+            acc = torch.float32 if user.dtype in (torch.bfloat16, torch.float16) else user.dtype
+            out = user.new_empty(ids.shape)
+            for rows in chunks(user.shape[0]):
+                q = rounded(items, ids[rows], scale[rows], low, acc)
+                out[rows] = torch.bmm(q, user[rows].to(acc).unsqueeze(-1)).squeeze(-1).to(out.dtype)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            user, items, ids, scale = ctx.saved_tensors
+            acc = torch.float32 if user.dtype in (torch.bfloat16, torch.float16) else user.dtype
+            d_user = torch.empty_like(user)
+            d_items = torch.zeros(items.shape, dtype=acc, device=items.device)
+            for rows in chunks(user.shape[0]):
+                g, u = grad[rows].to(acc), user[rows].to(acc)
+                q = rounded(items, ids[rows], scale[rows], ctx.low, acc)
+                d_user[rows] = torch.bmm(g.unsqueeze(1), q).squeeze(1).to(user.dtype)
+                del q                                   # before the [c, R, D] outer product below
+                flat = ids[rows].reshape(-1)
+                d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
+            return d_user, d_items.to(items.dtype), None, None, None
+
+    _FUNCTIONS["sampled_logits_16bit"] = ChunkedSampledLogits16
+    return ChunkedSampledLogits16.apply
 
 
 def _chunked_shared_logsumexp(torch):

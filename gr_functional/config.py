@@ -32,6 +32,7 @@ DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
 Ties = Literal["file", "shuffle"]
 NegativeSamplerName = Literal["uniform", "popularity"]
+NegativesPrecision = Literal["fp32", "fp16", "bf16"]
 EmbeddingKind = Literal["dense", "hash"]
 EvictionPolicy = Literal["lru", "lfu"]
 EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
@@ -166,6 +167,11 @@ class LossConfig:
     sampler: NegativeSamplerName = "uniform"
     popularity_alpha: float = _range(1.0, ge=0.0)
     logq: bool = True
+    # The negative item embeddings the loss reads, as 16-bit values with one fp32 scale per jagged
+    # segment (TurboGR's jaggedness-aware FP16 negatives): "fp16" | "bf16" round each user
+    # sequence's negative rows divided by that sequence's largest |value| (a shared pool is one
+    # segment); gradients pass straight through to the fp32 table. "fp32" keeps them as they are.
+    negatives_precision: NegativesPrecision = "fp32"
 
 
 Schedule = Literal["constant", "cosine", "linear"]

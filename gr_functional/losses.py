@@ -141,6 +141,22 @@ def positive_logits(B, user, items, targets, temperature: float):
     return B.xp.sum(user * B.gather_table(items, targets), axis=-1) / temperature
 
 
+def segment_scales(B, items, ids, layout):
+    """``scale[T]``: for each position, the largest |value| among all the negative rows its jagged
+    segment (its user sequence) reads, ``items[N, D]`` at ``ids[T, R]`` int32; 1 where that is 0
+    (padding rows, all-zero rows). The 16-bit negatives divide by it, so every segment's rows use
+    the 16-bit range fully whatever the scale of the others (un-normalised tables, long and short
+    sequences alike); one fp32 per segment is all the extra storage. Not differentiated."""
+    xp = B.xp
+    row_max = B.stop_gradient(xp.max(xp.abs(items), axis=1))                                  # [N]
+    pos_max = xp.max(xp.reshape(xp.take(row_max, xp.reshape(ids, (-1,))), tuple(ids.shape)), axis=1)
+    cells = xp.take(xp.concat([pos_max, xp.zeros((1,), dtype=pos_max.dtype, device=B.array_device)]),
+                    xp.reshape(layout.dense_index, (-1,)))                                     # empty cell -> 0
+    seg_max = xp.max(xp.reshape(cells, tuple(layout.dense_index.shape)), axis=1)               # [B]
+    seg_max = xp.where(seg_max > 0, seg_max, xp.ones_like(seg_max))
+    return xp.take(xp.concat([seg_max, xp.ones((1,), dtype=seg_max.dtype, device=B.array_device)]), layout.seq_id)
+
+
 # ----------------------------------------------------------------------------- shipped losses
 @register("sampled_softmax", negatives="sampled")
 def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
@@ -149,7 +165,12 @@ def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
     masked."""
     xp = B.xp
     pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
-    neg = B.sampled_logits(user, items, batch.negatives) / cfg.temperature                     # [T, R]
+    if cfg.negatives_precision == "fp32":
+        neg = B.sampled_logits(user, items, batch.negatives)
+    else:
+        scale = segment_scales(B, items, batch.negatives, batch.layout)
+        neg = B.sampled_logits_16bit(user, items, batch.negatives, scale, cfg.negatives_precision)
+    neg = neg / cfg.temperature                                                                # [T, R]
     hit = batch.negatives == xp.reshape(batch.targets, (-1, 1))
     return softmax_nll(B, pos, neg, hit, batch.weights)
 
@@ -164,6 +185,10 @@ def shared_softmax(B, user, items, batch: HSTUBatch, cfg, logq=None):
     shared = batch.shared_negatives                                                            # [R]
     pos = positive_logits(B, user, items, batch.targets, cfg.temperature)                      # [T]
     neg_items = B.gather_table(items, shared)                                                  # [R, D]
+    if cfg.negatives_precision != "fp32":  # the pool is one segment: one scale
+        pool_max = B.stop_gradient(xp.max(xp.abs(neg_items)))
+        neg_items = B.quantize_16bit(neg_items, xp.where(pool_max > 0, pool_max, xp.ones_like(pool_max)),
+                                     cfg.negatives_precision)
     bias = xp.zeros(shared.shape, dtype=pos.dtype, device=B.array_device) if logq is None else xp.astype(logq, pos.dtype)
     lse = B.shared_logsumexp(user, neg_items, shared, batch.targets, pos, bias, 1.0 / cfg.temperature,
                              MASKED_LOGIT)

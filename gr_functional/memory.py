@@ -26,8 +26,10 @@ model.num_negatives, ``N`` = model.num_items, ``D`` = model.embed_dim, ``H`` = m
                  the fp32 logits, mask, concat, logsumexp and gradient buffers of that shape
                  (measured: peak RSS grows 27-28 B per cell on torch and JAX, quickstart, T=6,144,
                  R = 2,000 -> 8,000)
-  logits         rows x (N+1) x f x 3 when N+1 <= 64 R (the dense ``user @ items^T`` form), else
-                 rows x R x D x f x 4 (gathered rows, product, gradients; measured 3.5x on JAX);
+  logits         rows x (N+1) x f x 3 when N+1 <= 64 R and the negatives are fp32 (the dense
+                 ``user @ items^T`` form), else rows x R x D x f x 4 (gathered rows, product,
+                 gradients; measured 3.5x on JAX; with 16-bit negatives the estimate is 1.6x the
+                 growth measured on torch and 2.3x on JAX, quickstart, R = 2,000);
                  rows = T on JAX, 1,024 on torch (backends.torch.SAMPLED_LOGITS_CHUNK_ROWS)
   attention      nb x B x H x L x L x f x 4: the padded kernel's scores, bias, SiLU and their
                  gradient kept per block (the jagged kernel keeps less: an upper bound)
@@ -193,7 +195,7 @@ def estimate(cfg, data) -> list[Item]:
     if kind == "sampled":
         items.append(Item("sampled-softmax negatives", T * R * neg_cell, "loss.num_negatives",
                           f"per batch: T={T:,} tokens x {R:,} negatives x {neg_cell} B", negs, "step"))
-        if N + 1 <= DENSE_LOGITS_MAX_RATIO * R:
+        if N + 1 <= DENSE_LOGITS_MAX_RATIO * R and cfg.loss.negatives_precision == "fp32":
             items.append(Item("sampled-softmax logits (dense form)", rows * (N + 1) * f * 3, "loss.num_negatives",
                               f"{rows:,} rows x {N + 1:,} items x {f} B x 3", negs, "step", dev))
         else:

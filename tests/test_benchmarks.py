@@ -76,3 +76,24 @@ def test_pipeline_bench_json(capsys):
     for r in rows:
         assert r["steps"] == 3 and 0 < r["busy"] <= 1 and r["build_s"] > 0 and r["tokens_per_s"] > 0
     assert rows[0]["wait_s"] == rows[0]["build_s"] and rows[0]["hidden"] == 0.0  # synchronous: nothing hidden
+
+
+def test_negatives_bench_json(capsys):
+    """Every variant runs; GR's recipe is the reference (vs_sampled 1); 16-bit negatives read
+    half the bytes plus one scale per sequence (private) or per pool."""
+    from benchmarks import negatives
+    from gr_functional.config import load_config
+
+    sets = ["data.synthetic_users=120", "data.synthetic_max_events=30", "model.max_len=16", "model.embed_dim=16",
+            "model.dqk=8", "model.dv=8", "train.batch_size=16"]
+    variants = (("sampled_softmax", 8, "uniform", "fp32"), ("sampled_softmax", 8, "uniform", "fp16"),
+                ("shared_pool", 32, "uniform", "fp32"), ("shared_pool", 32, "popularity", "bf16"))
+    rows = negatives.run(json_lines=True, cfg=load_config(None, sets), backends=["torch"], variants=variants,
+                         steps=2, warmup=1)
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [(r["loss"], r["precision"]) for r in rows] == [v[::3] for v in variants]
+    assert rows[0]["vs_sampled"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    private = rows[0]["negative_bytes"]
+    assert private == rows[0]["tokens"] * 8 * 16 * 4
+    assert private / 2 < rows[1]["negative_bytes"] <= private / 2 + 4 * 16    # + a scale per sequence
+    assert rows[2]["negative_bytes"] == 32 * 16 * 4 and rows[3]["negative_bytes"] == 32 * 16 * 2 + 4

@@ -71,3 +71,14 @@ def hstu_attention(q, k, v, offsets, norm_len, pos_w=None, ts_w=None, ts=None, q
             probs = silu(scores) / norm_len * np.tril(np.ones_like(scores))
             out[s:e, h] = probs @ v[s:e, h]
     return out
+
+
+def round_16bit(x, scale, precision: str):
+    """``x`` stored in 16 bits with fp32 scales and read back, as float64: ``x / scale`` divided
+    in float32 (as the backends do on fp32 arrays), rounded to nearest-even float16 or bfloat16
+    (ml_dtypes), times ``scale``."""
+    import ml_dtypes
+
+    low = np.float16 if precision == "fp16" else ml_dtypes.bfloat16
+    ratio = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+    return ratio.astype(low).astype(np.float64) * np.asarray(scale, np.float64)

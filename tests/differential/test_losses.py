@@ -11,6 +11,7 @@ from gr_functional.batch import Negatives, make_batch
 from gr_functional.config import Config, LossConfig, ModelConfig, OptimConfig
 from gr_functional.train import make_train_step
 
+from . import oracle
 from .common import FWD_TOL, GRAD_TOL, MAX_LEN, TRAJ_TOL, rel_err
 
 N_ITEMS, D, TAU = 60, 8, 0.07
@@ -18,9 +19,12 @@ CFG = ModelConfig(num_items=N_ITEMS, embed_dim=16, num_blocks=1, num_heads=2, dq
                   input_dropout=0.2, linear_dropout=0.2)
 
 
-# (loss, negative kind, pool sampler): every shipped loss, the pool under both samplers
-CASES = [("sampled_softmax", "sampled", "uniform"), ("in_batch", "in_batch", "uniform"),
-         ("shared_pool", "pool", "uniform"), ("shared_pool", "pool", "popularity")]
+# (loss, negative kind, pool sampler, negatives precision): every shipped loss, the pool under
+# both samplers, 16-bit negatives (per-sequence and per-pool scales)
+CASES = [("sampled_softmax", "sampled", "uniform", "fp32"), ("in_batch", "in_batch", "uniform", "fp32"),
+         ("shared_pool", "pool", "uniform", "fp32"), ("shared_pool", "pool", "popularity", "fp32"),
+         ("sampled_softmax", "sampled", "uniform", "fp16"), ("sampled_softmax", "sampled", "uniform", "bf16"),
+         ("shared_pool", "pool", "popularity", "fp16"), ("in_batch", "in_batch", "uniform", "bf16")]
 # skewed and with holes: ids 1..11 are frequent, 12..N_ITEMS rare, every 5th never seen
 POPULARITY = np.where(np.arange(N_ITEMS + 1) % 5 == 0, 0, np.where(np.arange(N_ITEMS + 1) < 12, 50, 1))
 
@@ -39,18 +43,43 @@ def _normalise(x):
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
 
 
-def _oracle(name: str, user, items, batch) -> float:
-    """float64 numpy: mean over supervised positions of -log softmax([pos, negatives])[0]."""
+def _negative_rows(name: str, items, batch, precision: str):
+    """float64 rows of the negatives the loss reads: ``items[ids]`` ``[T, R, D]`` (sampled) or
+    ``items[shared]`` ``[R, D]`` (pool, in-batch), or those rounded to 16 bits by the oracle with
+    one scale per user sequence (sampled: the largest |value| of the rows its positions read;
+    padding positions 1) or one for the whole pool."""
+    ids = np.asarray(batch.negatives if name == "sampled_softmax" else batch.shared_negatives)
+    rows = items[ids]
+    if precision == "fp32":
+        return rows
+    rows32 = items.astype(np.float32)[ids]
+    if name != "sampled_softmax":
+        return oracle.round_16bit(rows32, np.abs(rows32).max() or 1.0, precision)
+    scale = np.ones(len(ids), np.float32)
+    offsets = np.asarray(batch.layout.offsets)
+    for s, e in zip(offsets[:-1], offsets[1:]):
+        scale[s:e] = np.abs(rows32[s:e]).max(initial=0.0) or 1.0
+    return oracle.round_16bit(rows32, scale[:, None, None], precision)
+
+
+def _oracle(name: str, user, items, batch, precision: str = "fp32", shift=None) -> float:
+    """float64 numpy: mean over supervised positions of -log softmax([pos, negatives])[0].
+    ``shift[N, D]`` moves every item row, the negatives' 16-bit copies by the same amount (the
+    straight-through gradient is the derivative along such moves)."""
     t = np.asarray(batch.targets)
     w = np.asarray(batch.weights, np.float64)
+    rows = _negative_rows(name, items, batch, precision)
+    if shift is not None:
+        rows = rows + shift[np.asarray(batch.negatives if name == "sampled_softmax" else batch.shared_negatives)]
+        items = items + shift
     pos = (user * items[t]).sum(-1) / TAU
     if name == "sampled_softmax":
         ids = np.asarray(batch.negatives)
-        neg = np.einsum("td,trd->tr", user, items[ids]) / TAU
+        neg = np.einsum("td,trd->tr", user, rows) / TAU
         masked = ids == t[:, None]
     else:
         shared = np.asarray(batch.shared_negatives)
-        neg = user @ items[shared].T / TAU
+        neg = user @ rows.T / TAU
         masked = (shared[None, :] == t[:, None]) | (shared[None, :] == 0)
         if name == "shared_pool":  # logQ: -log(R q(id)), q from the sampler's own definition
             neg = neg - np.asarray(batch.shared_logq, np.float64)[None, :]
@@ -61,14 +90,14 @@ def _oracle(name: str, user, items, batch) -> float:
     return float((nll * w).sum() / max(w.sum(), 1.0))
 
 
-@pytest.mark.parametrize("name,kind,sampler", CASES)
-def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sampler):
+@pytest.mark.parametrize("name,kind,sampler,precision", CASES)
+def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sampler, precision):
     batch = _batch(kind, 16, sampler=sampler)
     rng = np.random.default_rng(3)
     T = batch.layout.t_cap
     user = _normalise(rng.standard_normal((T, D)))
     items = _normalise(rng.standard_normal((N_ITEMS + 1, D)))
-    cfg = LossConfig(name=name, temperature=TAU, num_negatives=16)
+    cfg = LossConfig(name=name, temperature=TAU, num_negatives=16, negatives_precision=precision)
     fn = losses.get(name).fn
 
     def f(p, b):
@@ -77,18 +106,42 @@ def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sa
     value, grads = backend.value_and_grad(f)({"user": backend.asarray(user.astype(np.float32)),
                                               "items": backend.asarray(items.astype(np.float32))},
                                              backend.asarray_tree(batch))
-    ref = _oracle(name, user, items, batch)
+    ref = _oracle(name, user, items, batch, precision)
     assert rel_err(backend.to_numpy(value), ref) < FWD_TOL
+    if precision != "fp32":
+        assert rel_err(backend.to_numpy(value), _oracle(name, user, items, batch)) > 1e-6  # it did round
     # central differences of the float64 oracle along one random direction per input
     for key, x in (("user", user), ("items", items)):
         direction = rng.standard_normal(x.shape)
         h = 1e-6
-        plus = {"user": user, "items": items, key: x + h * direction}
-        minus = {"user": user, "items": items, key: x - h * direction}
-        numeric = (_oracle(name, plus["user"], plus["items"], batch)
-                   - _oracle(name, minus["user"], minus["items"], batch)) / (2 * h)
+        if key == "user":
+            plus, minus = (_oracle(name, user + s * direction, items, batch, precision) for s in (h, -h))
+        else:
+            plus, minus = (_oracle(name, user, items, batch, precision, s * direction) for s in (h, -h))
+        numeric = (plus - minus) / (2 * h)
         analytic = float((backend.to_numpy(grads[key]).astype(np.float64) * direction).sum())
         assert abs(analytic - numeric) <= 1e-4 * max(abs(numeric), 1.0), (key, analytic, numeric)
+
+
+def test_segment_scales_are_each_sequences_largest_negative_value(backend):
+    """One scale per user sequence: the largest |value| over every row its positions read as
+    negatives (items of very different sizes per sequence), 1 on padding positions and where
+    every row read is zero."""
+    batch = _batch("sampled", 5)
+    items = np.random.default_rng(1).standard_normal((N_ITEMS + 1, D)).astype(np.float32)
+    ids = np.asarray(batch.negatives).copy()
+    offsets = np.asarray(batch.layout.offsets)
+    for b, (s, e) in enumerate(zip(offsets[:-1], offsets[1:])):
+        ids[s:e] = 10 * b + np.arange(1, 6)          # each sequence its own rows
+        items[10 * b + 1: 10 * b + 6] *= 10.0 ** b   # ... of its own size
+    items[1:6] = 0.0                                 # the first sequence reads zero rows only
+    got = backend.to_numpy(losses.segment_scales(backend, backend.asarray(items), backend.asarray(ids),
+                                                 backend.asarray_tree(batch.layout)))
+    want = np.ones(len(ids), np.float32)
+    for b, (s, e) in enumerate(zip(offsets[:-1], offsets[1:])):
+        want[s:e] = np.abs(items[10 * b + 1: 10 * b + 6]).max() or 1.0
+    assert len(set(want[offsets[1]:offsets[-1]].tolist())) == np.count_nonzero(np.diff(offsets)) - 1
+    np.testing.assert_array_equal(got, want)
 
 
 def test_in_batch_negatives_are_targets_of_the_batch():
@@ -140,8 +193,8 @@ def test_sampled_softmax_batches_are_unchanged_by_the_registry():
     np.testing.assert_array_equal(batch.negatives[:real], rng.integers(1, N_ITEMS + 1, size=(real, 7), dtype=np.int32))
 
 
-@pytest.mark.parametrize("name,kind,sampler", CASES)
-def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, sampler):
+@pytest.mark.parametrize("name,kind,sampler,precision", CASES)
+def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, sampler, precision):
     from backends import get_backend
 
     from ..conftest import test_backend_names
@@ -149,7 +202,8 @@ def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, s
     names = test_backend_names()
     if len(names) < 2:
         pytest.skip("GRF_TEST_BACKENDS names one backend: nothing to compare")
-    cfg = Config(model=CFG, loss=LossConfig(name=name, temperature=0.05, num_negatives=16),
+    cfg = Config(model=CFG, loss=LossConfig(name=name, temperature=0.05, num_negatives=16,
+                                            negatives_precision=precision),
                  optim=OptimConfig(lr=3e-3))
     batches = [_batch(kind, 16, seed=s, sampler=sampler) for s in range(8)]
     curves = {}

@@ -20,7 +20,7 @@ def test_kernel_op_list_is_covered():
     # shared_logsumexp: through the shared_pool / in_batch losses vs their float64 oracle on every
     # backend (test_losses.py) and torch's chunked form vs the reference (below)
     tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
-              "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
+              "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
     assert set(Backend.KERNEL_OPS) == tested
 
 
@@ -158,6 +158,30 @@ def test_sampled_logits_vs_oracle_and_grads(backend, rng, n_items):
                         {"user": user, "items": items, "ids": ids, "cot": cot})
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_sampled_logits_16bit_vs_oracle_and_grads(backend, rng, precision):
+    """Negatives read as 16-bit values with a per-position scale: vs the float64 dot of rows
+    rounded by the oracle (ml_dtypes), and visibly not the fp32 logits; gradients (straight
+    through to ``items``, none to ``scale``) vs the reference ops in float64."""
+    T, N, R, D = 9, 50, 4, 6
+    user = rng.standard_normal((T, D)).astype(np.float32)
+    items = (rng.standard_normal((N, D)) * 7).astype(np.float32)
+    ids = rng.integers(0, N, (T, R)).astype(np.int32)
+    ids[:, 1] = ids[:, 0]
+    scale = (2.0 ** rng.integers(2, 5, T)).astype(np.float32)  # powers of two: the division is exact
+    args = (backend.asarray(a) for a in (user, items, ids, scale))
+    got = backend.to_numpy(backend.sampled_logits_16bit(*args, precision))
+    rows = oracle.round_16bit(items[ids], scale[:, None, None], precision)
+    want = np.einsum("td,trd->tr", user.astype(np.float64), rows)
+    assert rel_err(got, want) <= FWD_TOL
+    exact = np.einsum("td,trd->tr", user.astype(np.float64), items.astype(np.float64)[ids])
+    assert rel_err(got, exact) > 1e-5                                   # it did round
+    cot = rng.standard_normal((T, R)).astype(np.float32)
+    _assert_grads_agree(lambda B, a: B.xp.sum(B.sampled_logits_16bit(a["user"], a["items"], a["ids"], a["scale"],
+                                                                      precision) * a["cot"]),
+                        {"user": user, "items": items, "ids": ids, "scale": scale, "cot": cot})
+
+
 # ------------------------------------------------------------------ jagged (tiled) attention
 # Tiles of 1 (every pair one cell), 5 (chunks that do not divide any length), 4 and MAX_LEN (one
 # chunk per sequence, the padded case without padding).
@@ -242,6 +266,36 @@ def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng, n_ite
             u = torch.tensor(user, dtype=dtype, requires_grad=True)
             it = torch.tensor(items, dtype=dtype, requires_grad=True)
             out = op(u, it, torch.tensor(ids))
+            (out.float() * torch.tensor(cot)).sum().backward()
+            outs.append(out.float().detach().numpy())
+            grads.append((u.grad.float().numpy(), it.grad.float().numpy()))
+        assert rel_err(outs[0], outs[1]) <= tol
+        assert rel_err(grads[0][0], grads[1][0]) <= tol
+        assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == torch.float32 else tol)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng, precision):
+    """torch's row-chunked 16-bit op vs the reference formulation (Backend.sampled_logits_16bit)
+    over several chunks, repeated ids, fp32 and bf16 inputs: outputs and gradients."""
+    import torch
+
+    from backends import torch as torch_backend
+
+    B = get_backend("torch")
+    T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 5000, 16, 8
+    user = rng.standard_normal((T, D)).astype(np.float32)
+    items = (rng.standard_normal((N, D)) * 3).astype(np.float32)
+    ids = rng.integers(0, N, (T, R)).astype(np.int32)
+    ids[:, 1] = ids[:, 0]
+    scale = rng.uniform(5, 20, T).astype(np.float32)
+    cot = rng.standard_normal((T, R)).astype(np.float32)
+    for dtype, tol in ((torch.float32, FWD_TOL), (torch.bfloat16, 2e-2)):
+        outs, grads = [], []
+        for op in (B.sampled_logits_16bit, lambda *a: Backend.sampled_logits_16bit(B, *a)):
+            u = torch.tensor(user, dtype=dtype, requires_grad=True)
+            it = torch.tensor(items, dtype=dtype, requires_grad=True)
+            out = op(u, it, torch.tensor(ids).long(), torch.tensor(scale), precision)
             (out.float() * torch.tensor(cot)).sum().backward()
             outs.append(out.float().detach().numpy())
             grads.append((u.grad.float().numpy(), it.grad.float().numpy()))

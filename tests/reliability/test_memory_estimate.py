@@ -231,12 +231,14 @@ print(json.dumps(seen))
 """
 
 
-def test_the_estimate_bounds_a_measured_peak(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # dense-form logits; 16-bit negatives (gathered rows)
+def test_the_estimate_bounds_a_measured_peak(tmp_path, precision):
     """A real quickstart-size run, negatives-heavy: the RSS it adds after the check stays below the
     estimate, and the estimate is within 5x of it (an order-of-magnitude-right upper bound)."""
     args = ["train", "--config", "quickstart", "--quiet", "--out", str(tmp_path / "q"),
             "--set", "data.synthetic_users=300", "--set", "loss.num_negatives=2000", "--set", "train.max_steps=2",
-            "--set", "train.batch_size=64", "--set", "eval.max_users=64"]
+            "--set", "train.batch_size=64", "--set", "eval.max_users=64",
+            "--set", f"loss.negatives_precision={precision}"]
     proc = subprocess.run([sys.executable, "-c", _MEASURE, *args], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
