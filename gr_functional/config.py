@@ -538,9 +538,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
     if emb.staleness and emb.optimizer == "adamw":
         fail("embedding", "staleness", "delays the row-sparse updates of the table: set embedding.optimizer to "
                                        "'lazy_adam' or 'rowwise_adagrad'")
-    if emb.staleness and emb.sharding == "row":
-        fail("embedding", "staleness", "is implemented for replicated tables (one process, or "
-                                       "embedding.sharding = 'replicated'); row-sharded tables update synchronously")
     if emb.kind == "dense" and emb.capacity:
         fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
                                       "applies to embedding.kind = 'hash'")

@@ -65,26 +65,18 @@ def init_opt_state(B, params: dict, cfg: Config) -> dict:
     row-sparse embedding optimizer, AdamW covers the dense parameters only and ``"rows"`` holds
     the table's per-row state (``embedding.rowopt.init_row_state``) and, with
     ``embedding.staleness = k > 0``, ``"pending"``: the k row updates not yet applied
-    (``init_pending``)."""
+    (``rowopt.init_pending``)."""
     if row_sparse(cfg) and TABLE in params:  # (a row-sharded table keeps its state in its shards)
         table = params[TABLE]
         state = adamw_init(B, _dense(params))
         state["rows"] = rowopt.init_row_state(B, cfg.embedding.optimizer, table.shape[0], table.shape[1])
         if cfg.embedding.staleness:
-            state["pending"] = init_pending(B, cfg.embedding.staleness, table.shape[1])
+            state["pending"] = rowopt.init_pending(B, cfg.embedding.staleness, table.shape[1])
     else:
         state = adamw_init(B, params)
     if cfg.backend.precision == "fp16":
         state["loss_scale"] = init_loss_scale(B, cfg)
     return state
-
-
-def init_pending(B, k: int, dim: int) -> list:
-    """k empty pending row updates ``{"rows": [1] int32 (0: no row), "grads": [1, dim]}``, oldest
-    first; each step appends its own and applies the oldest (``stale_row_update``)."""
-    xp = B.xp
-    return [{"rows": xp.zeros((1,), dtype=xp.int32, device=B.array_device),
-             "grads": xp.zeros((1, dim), dtype=B.float_dtype, device=B.array_device)} for _ in range(k)]
 
 
 def _dense(tree: dict) -> dict:
@@ -284,21 +276,9 @@ def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):
 
 
 def refresh_rows(B, table, row_state: dict, pending: list, rows, lookup):
-    """Semi-asynchronous updates (``embedding.staleness``): the step's fresh rows take their
-    initial value (``rows[S, D]``, the step's view of its rows) and a zero optimizer state NOW,
-    since the next steps read them before this step's update lands; and pending updates of rows
-    re-assigned this step (an evicted id's row given to another id) are dropped, because their
-    gradient belongs to the old id. ``(table, row_state, pending)``; donates table and row_state."""
-    xp = B.xp
-    table = B.set_rows(table, lookup.rows, rows)
-    fresh_rows = xp.where(lookup.fresh, lookup.rows, xp.zeros_like(lookup.rows))
-    row_state = rowopt.reset_rows(B, row_state, fresh_rows)
-    # one flag per table row (row 0, the padding row, is never updated: flagging it changes nothing)
-    flag = B.set_rows(xp.zeros((table.shape[0],), dtype=xp.int32, device=B.array_device), fresh_rows,
-                      xp.ones(fresh_rows.shape, dtype=xp.int32, device=B.array_device))
-    pending = [{"rows": xp.where(B.gather_rows(flag, p["rows"]) > 0, xp.zeros_like(p["rows"]), p["rows"]),
-                "grads": p["grads"]} for p in pending]
-    return table, row_state, pending
+    """``rowopt.refresh_rows`` for a step's ``lookup`` (its rows and fresh flags) and ``rows[S, D]``,
+    the step's view of its rows: ``(table, row_state, pending)``; donates table and row_state."""
+    return rowopt.refresh_rows(B, table, row_state, pending, rows, lookup.rows, lookup.fresh)
 
 
 # ----------------------------------------------------------------------------- the step

@@ -94,3 +94,31 @@ def row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: 
     acc = state_rows["acc"] + xp.mean(g * g, axis=1)
     new = values - lr * g / (xp.reshape(xp.sqrt(acc), (-1, 1)) + cfg.eps)
     return xp.where(keep, new, values), {"acc": xp.where(touched, acc, state_rows["acc"])}
+
+
+def init_pending(B, k: int, dim: int) -> list:
+    """k empty pending row updates ``{"rows": [1] int32 (0: no row), "grads": [1, dim]}``, oldest
+    first (``embedding.staleness = k``): each step appends its own and applies the oldest."""
+    xp = B.xp
+    return [{"rows": xp.zeros((1,), dtype=xp.int32, device=B.array_device),
+             "grads": xp.zeros((1, dim), dtype=B.float_dtype, device=B.array_device)} for _ in range(k)]
+
+
+def refresh_rows(B, table, state: dict, pending: list, values, rows, fresh):
+    """Semi-asynchronous updates (``embedding.staleness``): the rows a step looked up,
+    ``rows[U]`` int32, take ``values[U, D]`` (the step's view of them: fresh rows at their initial
+    value) and fresh rows (``fresh[U]`` bool: new ids, evicted rows given to another id) a zero
+    state NOW, since the next steps read them before this step's update lands; and pending updates
+    (``[{"rows": [n] int32, "grads": [n, D]}]``) of rows re-assigned this step are dropped (row set
+    to 0), because their gradient belongs to the old id. ``(table, state, pending)``; donates
+    table and state."""
+    xp = B.xp
+    table = B.set_rows(table, rows, values)
+    fresh_rows = xp.where(fresh, rows, xp.zeros_like(rows))
+    state = reset_rows(B, state, fresh_rows)
+    # one flag per table row (row 0, the padding row, is never updated: flagging it changes nothing)
+    flag = B.set_rows(xp.zeros((table.shape[0],), dtype=xp.int32, device=B.array_device), fresh_rows,
+                      xp.ones(fresh_rows.shape, dtype=xp.int32, device=B.array_device))
+    pending = [{"rows": xp.where(B.gather_rows(flag, p["rows"]) > 0, xp.zeros_like(p["rows"]), p["rows"]),
+                "grads": p["grads"]} for p in pending]
+    return table, state, pending

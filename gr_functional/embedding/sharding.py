@@ -115,7 +115,7 @@ class ShardedTable:
 
     def __init__(self, B, comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
                  policy: str = "lru", min_count: int = 1, optimizer: str = "lazy_adam", dense_rows=None,
-                 node_size: int = 0, hierarchical: bool = False, precision: str = "fp32"):
+                 node_size: int = 0, hierarchical: bool = False, precision: str = "fp32", staleness: int = 0):
         R = comm.world_size
         if precision not in PRECISIONS:
             raise ValueError(f"exchange precision {precision!r} is not one of {PRECISIONS}")
@@ -141,11 +141,27 @@ class ShardedTable:
             values[self._dense_rows_of(mine)] = dense_rows[mine]
         self.values = B.asarray(values)
         self.state = rowopt.init_row_state(B, optimizer, n_rows, dim)
+        # embedding.staleness = k: the owner's k pending row updates (summed over ranks), oldest first
+        self.staleness = staleness
+        self.pending = rowopt.init_pending(B, staleness, dim)
         self.bytes = dict.fromkeys(("ids_intra", "ids_inter", "rows_intra", "rows_inter", "grads_intra",
                                     "grads_inter"), 0)
 
     def _dense_rows_of(self, ids: np.ndarray) -> np.ndarray:
         return (ids // self.world + 1).astype(np.int32)
+
+    def _ids_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The id each shard row holds (0 for row 0 and free rows)."""
+        rows = np.asarray(rows, np.int64)
+        if self.table is None:
+            return np.where(rows > 0, (rows - 1) * self.world + self.rank, 0)
+        return self.table.row_ids()[rows]
+
+    def _rows_of_ids(self, ids: np.ndarray) -> np.ndarray:
+        """This shard's row of each id it holds (0 for id 0 and absent ids)."""
+        ids = np.asarray(ids, np.int64)
+        rows = self._dense_rows_of(ids) if self.table is None else self.table.lookup(ids)
+        return np.where(ids > 0, rows, 0).astype(np.int32)
 
     # ------------------------------------------------------------------ routes
     def _node(self, ranks):
@@ -238,19 +254,34 @@ class ShardedTable:
     def update(self, pending: Pending, grads, lr, cfg: OptimConfig, ok=True) -> None:
         """Push this rank's row gradients ``grads[U, D]`` (``lookup``'s order) to the owners,
         which sum them per id and apply the row-sparse optimizer to their rows (``ok`` False:
-        a skipped step, only fresh rows' initial values are written). Collective."""
+        a skipped step, only fresh rows' initial values are written). With ``staleness = k`` the
+        owner applies the update queued k steps ago instead and queues this one, as a replicated
+        table does (``rowopt.refresh_rows``: fresh rows written and reset now, their queued
+        updates dropped; a skipped step drops its own and the due update). Collective."""
         B, xp = self.B, self.B.xp
         g = grads
         for hop in pending.hops:
             g = self._forward_grads(hop, g)
         rows = B.asarray(pending.rows)
-        touched = B.asarray(pending.rows > 0)
         fresh = B.asarray(pending.fresh)
+        ok = B.asarray(ok) if isinstance(ok, bool) else ok
+        keep = lambda n, o: xp.where(ok, n, o)  # noqa: E731
+        if self.staleness:
+            self.values, self.state, queue = rowopt.refresh_rows(B, self.values, self.state, self.pending,
+                                                                 pending.values, rows, fresh)
+            due = queue[0]["rows"]
+            values, old_state = B.gather_rows(self.values, due), rowopt.gather_state(B, self.state, due)
+            new, new_state = rowopt.row_update(B, self.optimizer, values, queue[0]["grads"], old_state, due > 0,
+                                               lr, cfg)
+            self.values = B.set_rows(self.values, due, keep(new, values))
+            self.state = rowopt.scatter_state(B, self.state, due, tree_map(keep, new_state, old_state))
+            mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
+            self.pending = [*queue[1:], {"rows": mine, "grads": g}]
+            return
+        touched = rows > 0
         old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),
                              rowopt.gather_state(B, self.state, rows))
         new, new_state = rowopt.row_update(B, self.optimizer, pending.values, g, old_state, touched, lr, cfg)
-        ok = B.asarray(ok) if isinstance(ok, bool) else ok
-        keep = lambda n, o: xp.where(ok, n, o)  # noqa: E731
         self.values = B.set_rows(self.values, rows, keep(new, pending.values))
         self.state = rowopt.scatter_state(B, self.state, rows, tree_map(keep, new_state, old_state))
 
@@ -273,6 +304,11 @@ class ShardedTable:
         out.update(ids=ids, bytes=np.asarray(list(self.bytes.values()), np.int64),
                    values=B.to_numpy(B.gather_rows(self.values, r)),
                    state={k: B.to_numpy(B.gather_rows(v, r)) for k, v in self.state.items()})
+        if self.staleness:  # the queued updates by id (slot 0 the oldest), row-independent as the rest
+            slots = [np.full(len(p["rows"]), i, np.int32) for i, p in enumerate(self.pending)]
+            out.update(pending_slot=np.concatenate(slots),
+                       pending_ids=np.concatenate([self._ids_of_rows(B.to_numpy(p["rows"])) for p in self.pending]),
+                       pending_grads=np.concatenate([B.to_numpy(p["grads"]) for p in self.pending]))
         return out
 
 
@@ -304,6 +340,29 @@ class ShardedTable:
         self.values = B.set_rows(self.values, r, B.asarray(cat("values")[mine]))
         self.state = {k: B.set_rows(v, r, B.asarray(np.concatenate([np.asarray(s["state"][k]) for s in shards])[mine]))
                       for k, v in self.state.items()}
+        if self.staleness:
+            self._load_pending(shards)
+
+    def _load_pending(self, shards: list) -> None:
+        """The queued updates of the ids this rank owns, per slot. With the same world size the
+        shard's own queue comes back entry for entry; re-sharded, each slot takes every old
+        shard's entries of ids this rank now owns (old rank order; one id is in at most one shard
+        per slot), or a padding entry (row 0) when there are none."""
+        B = self.B
+        own = [shards[self.rank]] if len(shards) == self.world else shards
+        slot, ids, grads = (np.concatenate([np.asarray(s[key]) for s in own])
+                            for key in ("pending_slot", "pending_ids", "pending_grads"))
+        ids = ids.astype(np.int64)
+        if len(shards) != self.world:
+            mine = (ids > 0) & (owners(ids, self.world, self.kind) == self.rank)
+            slot, ids, grads = slot[mine], ids[mine], grads[mine]
+        self.pending = []
+        for i in range(self.staleness):
+            take = slot == i
+            if not take.any():
+                self.pending.append(rowopt.init_pending(B, 1, self.dim)[0])
+                continue
+            self.pending.append({"rows": B.asarray(self._rows_of_ids(ids[take])), "grads": B.asarray(grads[take])})
 
     # ------------------------------------------------------------------ reading
     def rows_of(self, ids) -> np.ndarray:
@@ -327,7 +386,8 @@ def make_sharded(B, cfg, comm, dense_rows=None) -> ShardedTable:
     return ShardedTable(B, comm, kind=e.kind, dim=cfg.model.embed_dim, num_items=cfg.model.num_items,
                         capacity=e.capacity, seed=cfg.train.seed, policy=e.policy, min_count=e.min_count,
                         optimizer=e.optimizer, dense_rows=dense_rows if need_rows else None,
-                        node_size=e.node_size, hierarchical=e.hierarchical, precision=e.exchange)
+                        node_size=e.node_size, hierarchical=e.hierarchical, precision=e.exchange,
+                        staleness=e.staleness)
 
 
 def assemble(shards: list, dim: int):

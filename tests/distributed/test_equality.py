@@ -220,3 +220,45 @@ def test_row_sharded_checkpoint_is_not_resumed_by_one_process(row_sharded, tmp_p
     with pytest.raises(CheckpointError, match="row-sharded item table but this run does not shard it"):
         train(tiny_config(*ROW_SHARDED, "embedding.sharding=row", "train.max_steps=8"), out, progress=False)
     assert file_digests(out) == before
+
+
+@pytest.fixture(scope="module")
+def row_sharded_stale(tmp_path_factory):
+    """ROW_SHARDED with embedding.staleness = 2 on 2 ranks, checkpoints at steps 3 and 6, and its
+    one-process (replicated) twin. The capacity holds every id (as in ``row_sharded``): below it,
+    each shard evicts within its own rows and the tables legitimately differ from one table's."""
+    from gr_functional.runner import train
+
+    root = tmp_path_factory.mktemp("row_sharded_stale")
+    sets = [*ROW_SHARDED, "embedding.staleness=2"]
+    train(tiny_config(*sets), root / "single", progress=False, resume="never")
+    _launch(root / "dist", *sets, "embedding.sharding=row", "train.checkpoint_every=3", "train.keep_checkpoints=0")
+    return root, sets
+
+
+def test_row_sharded_staleness_equals_one_process_and_resumes_exactly(row_sharded_stale, tmp_path):
+    """embedding.staleness = 2 on a row-sharded table: each owner queues its rows' summed
+    gradients and applies them 2 steps late, as the replicated table of one process does (losses,
+    the table by id, new rows every step). Stopped at step 3 (two updates pending, in the shards'
+    checkpoint) and resumed on 2 ranks: the same metrics.jsonl; on 4 ranks (the queue re-sharded
+    by id): the same losses to float rounding."""
+    import shutil
+
+    from gr_functional.checkpoint import CheckpointDir
+
+    root, sets = row_sharded_stale
+    got, want = _train_records(root / "dist"), _train_records(root / "single")
+    assert len(got) == 6 and all(abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) for g, w in zip(got, want))
+    rows, ref = _table_by_id(root / "dist"), _table_by_id(root / "single")
+    assert set(rows) == set(ref) and max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-6
+    for name in ("same", "four"):
+        shutil.copytree(root / "dist", tmp_path / name)
+        for step, path in CheckpointDir(tmp_path / name / "checkpoints").steps():
+            if step > 3:
+                path.unlink()
+    _launch(tmp_path / "same", *sets, "embedding.sharding=row")
+    _launch(tmp_path / "four", *sets, "embedding.sharding=row", world=4)
+    whole, same, four = (_train_records(p) for p in (root / "dist", tmp_path / "same", tmp_path / "four"))
+    assert same == whole
+    assert [r["step"] for r in four] == list(range(1, 7))
+    assert all(abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]) for a, b in zip(four, whole))
