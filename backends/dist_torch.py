@@ -9,6 +9,8 @@ gr_functional imports no array library, so the runner and the distributed train 
                                  hooks while backward still runs (overlap), ``prior=`` adds
                                  locally accumulated micro-batch gradients first
   all_reduce_sum(values)         SUM of a small host float64 vector (loss, timings)
+  exchange_counts / all_to_all   the sizes and rows of an all-to-all (row-sharded tables);
+  all_to_all_start               the same in the background on a second group: ``finish()``
   broadcast(obj, src=0)          a picklable object from ``src`` (checkpoint state, errors)
   barrier()
   progress(phase)                tell the watchdog the main thread moved on (phase: a short
@@ -213,6 +215,7 @@ class TorchCollective:
         self.bucket_bytes = max(1, int(float(dist_cfg.bucket_mb) * 2**20))
         self._slow_steps = _slow_steps(self.rank)
         self._ready_order: list[str] | None = None  # leaf paths in the order backward produced them
+        self._side = None  # all_to_all_start's process group
         self.last_backward_end = 0.0
         self.last_backward_cpu = 0.0
         self._step_start = (0.0, 0.0)
@@ -280,16 +283,40 @@ class TorchCollective:
         """Rows of ``x`` (destination-major: ``send_counts[r]`` rows for rank r) to their ranks;
         returns the rows received (``recv_counts[r]`` from rank r, in rank order). numpy in,
         numpy out (ids, on the host); a tensor stays a tensor on this rank's device (rows)."""
+        return self._all_to_all(x, send_counts, recv_counts, None)()
+
+    def all_to_all_start(self, x, send_counts, recv_counts):
+        """``all_to_all`` in the background, on a second process group of the same ranks (made at
+        the first call: every rank calls this at the same point), so the collectives the main
+        group runs meanwhile (the next step's lookup, the dense all-reduce) do not queue behind
+        it. Returns ``finish() -> rows received`` (waits). Every rank starts the same exchanges
+        in the same order."""
+        if self._side is None:
+            self._side = self._run("second process group", lambda: self._dist.new_group(backend=self.backend))
+        return self._all_to_all(x, send_counts, recv_counts, self._side)
+
+    def _all_to_all(self, x, send_counts, recv_counts, group):
+        """Launch the exchange (blocking on the main group when ``group`` is None, asynchronous on
+        ``group`` otherwise); ``finish()`` returns what arrived."""
         torch = self._torch
         host = isinstance(x, np.ndarray)
         t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if host else x.contiguous()
         wide = t.dtype in (torch.int16, torch.float16, torch.bfloat16) and t.ndim == 2
         wire = t.view(torch.uint8) if wide else t  # gloo has no 16-bit types: send the bytes
         out = wire.new_empty((int(np.sum(recv_counts)),) + tuple(wire.shape[1:]))
-        self._run("all-to-all", lambda: self._dist.all_to_all_single(
-            out, wire, [int(c) for c in recv_counts], [int(c) for c in send_counts]))
-        out = out.view(t.dtype) if wide else out
-        return out.cpu().numpy() if host else out
+        recv, send = [int(c) for c in recv_counts], [int(c) for c in send_counts]
+        if group is None:
+            self._run("all-to-all", lambda: self._dist.all_to_all_single(out, wire, recv, send))
+            work = None
+        else:
+            work = self._dist.all_to_all_single(out, wire, recv, send, group=group, async_op=True)
+
+        def finish():
+            if work is not None:
+                self._run("all-to-all (overlapped)", work.wait)
+            got = out.view(t.dtype) if wide else out
+            return got.cpu().numpy() if host else got
+        return finish
 
     # ------------------------------------------------------------------ step timing
     def start_step(self) -> None:

@@ -19,6 +19,10 @@ the same local index, so each id crosses the network at most once per node, and 
 pre-summed inside the node. ``precision`` "fp16" / "bf16" sends rows and gradients as 16-bit
 values with one fp32 scale per row (``encode``), halving the exchanged bytes.
 
+With ``staleness`` k >= 1 (semi-asynchronous updates) the owner queues the summed gradients and
+applies them k steps late, and the gradients' last hop is exchanged in the background on a second
+process group, overlapping the next step's lookup and compute.
+
 Every hop counts the bytes a rank sends to OTHER ranks (``ShardedTable.bytes``), split into
 intra-node and inter-node by ``node_size`` (every rank its own node when 0), for ``grf bench
 embedding`` and metrics.jsonl.
@@ -144,6 +148,7 @@ class ShardedTable:
         # embedding.staleness = k: the owner's k pending row updates (summed over ranks), oldest first
         self.staleness = staleness
         self.pending = rowopt.init_pending(B, staleness, dim)
+        self._in_flight = None  # the newest queued update's gradient exchange, still running
         self.bytes = dict.fromkeys(("ids_intra", "ids_inter", "rows_intra", "rows_inter", "grads_intra",
                                     "grads_inter"), 0)
 
@@ -192,11 +197,17 @@ class ShardedTable:
     def _row_bytes(self) -> int:
         return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
 
-    def _send(self, what: str, rows, send, recv):
+    def _send(self, what: str, rows, send, recv, later: bool = False):
         """``rows`` (destination-major, ``send[r]`` for rank r) through one all-to-all in the
-        exchange precision (rows and their scales), counted as ``what``; the rows received."""
+        exchange precision (rows and their scales), counted as ``what``; the rows received, or
+        with ``later`` a function returning them (the exchange runs in the background meanwhile:
+        ``comm.all_to_all_start``)."""
         payload, scale = encode(self.B, rows, self.precision)
         self._count(what, send, self._row_bytes())
+        if later:
+            got = self.comm.all_to_all_start(payload, send, recv)
+            got_scale = None if scale is None else self.comm.all_to_all_start(scale, send, recv)
+            return lambda: decode(self.B, got(), None if got_scale is None else got_scale(), self.precision)
         got = self.comm.all_to_all(payload, send, recv)
         got_scale = None if scale is None else self.comm.all_to_all(scale, send, recv)
         return decode(self.B, got, got_scale, self.precision)
@@ -210,12 +221,20 @@ class ShardedTable:
         inv[hop.order] = np.arange(len(hop.order))
         return B.gather_rows(arrived, B.asarray(inv.astype(np.int32)))
 
-    def _forward_grads(self, hop: Hop, grads):
-        """Gradients in the sender's item order to the receivers, summed there per unique id."""
+    def _forward_grads(self, hop: Hop, grads, later: bool = False):
+        """Gradients in the sender's item order to the receivers, summed there per unique id
+        (with ``later``: a function returning the sums, the exchange in the background)."""
         B = self.B
         sent = B.gather_rows(grads, B.asarray(hop.order.astype(np.int32)))
-        arrived = self._send("grads", sent, hop.send, hop.recv)
-        return B.segment_sum(arrived, B.asarray(hop.inverse.astype(np.int32)), len(hop.unique))
+        arrived = self._send("grads", sent, hop.send, hop.recv, later)
+        total = lambda got: B.segment_sum(got, B.asarray(hop.inverse.astype(np.int32)), len(hop.unique))  # noqa: E731
+        return (lambda: total(arrived())) if later else total(arrived)
+
+    def _settle(self) -> None:
+        """Wait for the gradient exchange still in flight (staleness) and queue its sums."""
+        if self._in_flight is not None:
+            self.pending[-1] = {**self.pending[-1], "grads": self._in_flight()}
+            self._in_flight = None
 
     # ------------------------------------------------------------------ a step
     def lookup(self, ids, step: int):
@@ -257,11 +276,16 @@ class ShardedTable:
         a skipped step, only fresh rows' initial values are written). With ``staleness = k`` the
         owner applies the update queued k steps ago instead and queues this one, as a replicated
         table does (``rowopt.refresh_rows``: fresh rows written and reset now, their queued
-        updates dropped; a skipped step drops its own and the due update). Collective."""
+        updates dropped; a skipped step drops its own and the due update), and the gradient
+        exchange's last hop runs in the background until the next update (or ``export``) waits
+        for it: step i's gradients travel while step i+1 looks up and computes. Collective."""
         B, xp = self.B, self.B.xp
+        self._settle()
         g = grads
-        for hop in pending.hops:
-            g = self._forward_grads(hop, g)
+        for i, hop in enumerate(pending.hops):
+            # stale: the last hop's exchange overlaps the next step (lookup, compute) and is waited
+            # for at the next update, before the update it carries can be due (k >= 1 steps later)
+            g = self._forward_grads(hop, g, later=bool(self.staleness) and i == len(pending.hops) - 1)
         rows = B.asarray(pending.rows)
         fresh = B.asarray(pending.fresh)
         ok = B.asarray(ok) if isinstance(ok, bool) else ok
@@ -276,7 +300,7 @@ class ShardedTable:
             self.values = B.set_rows(self.values, due, keep(new, values))
             self.state = rowopt.scatter_state(B, self.state, due, tree_map(keep, new_state, old_state))
             mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
-            self.pending = [*queue[1:], {"rows": mine, "grads": g}]
+            self.pending, self._in_flight = [*queue[1:], {"rows": mine, "grads": None}], g
             return
         touched = rows > 0
         old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),
@@ -292,6 +316,7 @@ class ShardedTable:
         ``totals`` (its counters) and ``sketch``. Checkpoints keep one per rank; ``load`` rebuilds
         any number of shards from them."""
         B = self.B
+        self._settle()
         if self.table is None:
             ids = np.arange(self.rank, self.dense_rows.shape[0], self.world, dtype=np.int64)
             ids = ids[ids > 0]

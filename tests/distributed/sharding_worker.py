@@ -2,7 +2,8 @@
 gradient pushes through ``ShardedTable`` on a gloo process group; writes what it saw to an .npz.
 
 Usage (env RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun sets them); each scenario
-KIND:NODE_SIZE:HIERARCHICAL:PRECISION runs on the same process group, one after the other:
+KIND:NODE_SIZE:HIERARCHICAL:PRECISION[:STALENESS] runs on the same process group, one after the
+other:
     python -m tests.distributed.sharding_worker OUT hash:0:0:fp32 hash:0:0:fp16 ...
 """
 from __future__ import annotations
@@ -47,10 +48,11 @@ def main(argv: list[str]) -> int:
     comm = init(DistConfig(backend="gloo", timeout_s=60))
     B = get_backend("torch")
     for scenario in scenarios:
-        kind, node_size, hierarchical, precision = scenario.split(":")
+        kind, node_size, hierarchical, precision, *stale = scenario.split(":")
         table = ShardedTable(B, comm, kind=kind, dim=DIM, num_items=NUM_ITEMS, capacity=4 * POOL, seed=3,
                              dense_rows=dense_rows() if kind == "dense" else None, node_size=int(node_size),
-                             hierarchical=hierarchical == "1", precision=precision)
+                             hierarchical=hierarchical == "1", precision=precision,
+                             staleness=int(stale[0]) if stale else 0)
         saved = {}
         for step in range(1, STEPS + 1):
             ids, grads = inputs(kind, comm.rank, step)

@@ -16,8 +16,9 @@ from .common import ROOT, free_port, rank_env, wait_all
 
 
 # Every scenario of a world size runs in ONE launch of its ranks (process start-up dominates)
-SCENARIOS = {2: ["hash:0:0:fp32", "hash:0:0:fp16", "hash:0:0:bf16"],
-             4: ["hash:2:1:fp32", "hash:2:0:fp32", "dense:0:0:fp32"]}
+# (KIND:NODE_SIZE:HIERARCHICAL:PRECISION[:STALENESS])
+SCENARIOS = {2: ["hash:0:0:fp32", "hash:0:0:fp16", "hash:0:0:bf16", "hash:0:0:fp16:1"],
+             4: ["hash:2:1:fp32", "hash:2:0:fp32", "dense:0:0:fp32", "hash:2:1:fp32:2"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +37,17 @@ def launched(tmp_path_factory):
     return folders
 
 
-def _run(launched, world, kind="hash", node_size=0, hierarchical=False, precision="fp32"):
-    tag = f"{kind}-{node_size}-{int(hierarchical)}-{precision}"
+def _run(launched, world, kind="hash", node_size=0, hierarchical=False, precision="fp32", staleness=0):
+    tag = f"{kind}-{node_size}-{int(hierarchical)}-{precision}" + (f"-{staleness}" if staleness else "")
     out = launched[world]
     ranks = [dict(np.load(out / f"{tag}-rank{r}.npz")) for r in range(world)]
     sent = [json.loads((out / f"{tag}-bytes{r}.json").read_text()) for r in range(world)]
     return ranks, {k: sum(b[k] for b in sent) for k in sent[0]}
 
 
-def _reference(kind, world):
-    """One unsharded table: the union of all ranks' ids each step, gradients summed over ranks."""
+def _reference(kind, world, staleness=0):
+    """One unsharded table: the union of all ranks' ids each step, gradients summed over ranks
+    and applied ``staleness`` steps later (the last ``staleness`` never)."""
     from backends import get_backend
     from gr_functional.config import OptimConfig
     from gr_functional.embedding import rowopt
@@ -57,7 +59,7 @@ def _reference(kind, world):
     values = W.dense_rows()[ids_all] if kind == "dense" else hashed_init(3, ids_all, W.DIM)
     values = B.asarray(values)
     state = rowopt.init_row_state(B, "lazy_adam", len(ids_all), W.DIM)
-    looked = []
+    looked, queue = [], []
     for step in range(1, W.STEPS + 1):
         per_rank = [W.inputs(kind, r, step) for r in range(world)]
         looked.append([B.to_numpy(B.gather_rows(values, B.asarray(np.asarray([index[int(i)] for i in ids], np.int32))))
@@ -66,9 +68,12 @@ def _reference(kind, world):
         g = np.zeros((len(union), W.DIM), np.float32)
         for ids, grads in per_rank:
             g[np.searchsorted(union, ids)] += grads
-        rows = B.asarray(np.asarray([index[int(i)] for i in union], np.int32))
+        queue.append((B.asarray(np.asarray([index[int(i)] for i in union], np.int32)), g))
+        if len(queue) <= staleness:
+            continue
+        rows, g = queue.pop(0)
         new, new_state = rowopt.row_update(B, "lazy_adam", B.gather_rows(values, rows), B.asarray(g),
-                                           rowopt.gather_state(B, state, rows), B.asarray(np.ones(len(union), bool)),
+                                           rowopt.gather_state(B, state, rows), B.asarray(np.ones(rows.shape[0], bool)),
                                            W.LR, OptimConfig(lr=W.LR))
         values = B.set_rows(values, rows, new)
         state = rowopt.scatter_state(B, state, rows, new_state)
@@ -88,6 +93,29 @@ def test_sharded_table_equals_one_table(launched, world, kind, node_size, hierar
     seen = np.isin(W.pool(kind), np.concatenate([W.inputs(kind, r, s)[0] for r in range(world)
                                                  for s in range(1, W.STEPS + 1)]))
     assert seen.sum() > 50 and np.max(np.abs(shards[seen] - final[seen])) <= 1e-6
+
+
+@pytest.mark.parametrize("world, node_size, hierarchical, precision, staleness, tol", [
+    (4, 2, True, "fp32", 2, 1e-6), (2, 0, False, "fp16", 1, 2e-3)])
+def test_stale_updates_equal_one_table_updated_late(launched, world, node_size, hierarchical, precision,
+                                                    staleness, tol):
+    """embedding.staleness = k on a sharded table (its gradients' last hop exchanged in the
+    background until the next update): every lookup and the final rows equal one table whose
+    summed updates land k steps late (fp16: within its rounding, relative to each row's size)."""
+    ranks, _ = _run(launched, world, "hash", node_size, hierarchical, precision, staleness)
+    looked, final = _reference("hash", world, staleness)
+    sync, _ = _reference("hash", world)
+    for step in range(W.STEPS):
+        for r in range(world):
+            got, want = ranks[r][f"rows{step + 1}"], looked[step][r]
+            scale = np.abs(want).max(axis=-1, keepdims=True) if precision != "fp32" else 1.0
+            assert np.max(np.abs(got - want) / scale) <= tol, (step, r)
+    assert max(np.max(np.abs(looked[s][r] - sync[s][r])) for s in range(W.STEPS) for r in range(world)) > 1e-3
+    shards = sum(rk["final"] for rk in ranks)
+    seen = np.isin(W.pool("hash"), np.concatenate([W.inputs("hash", r, s)[0] for r in range(world)
+                                                   for s in range(1, W.STEPS + 1)]))
+    scale = np.abs(final[seen]).max(axis=-1, keepdims=True) if precision != "fp32" else 1.0
+    assert np.max(np.abs(shards[seen] - final[seen]) / scale) <= tol
 
 
 def test_hierarchical_exchange_sends_fewer_ids_across_nodes(launched):
