@@ -58,7 +58,8 @@ def dataset_path(name: str) -> Path:
     (``gr_functional/data/registry.py``). Shipped: ``ml-1m`` (``movielens-1m/ratings.dat``, else
     the reconstructed ``movielens-1m/reconstructed/ratings_known.dat``), ``ml-20m``
     (``movielens-20m/ratings.csv``), ``kuairand-sample`` (the 211-row KuaiRand-1K log sample; also
-    ``kuairand``), ``kuairand-27k-lengths`` (per-user exposure counts of KuaiRand-27K).
+    ``kuairand``), ``kuairand-27k-lengths`` (per-user exposure counts of KuaiRand-27K),
+    ``kuairand-user-features`` / ``kuairand-video-features`` (KuaiRand-Pure's side features).
     """
     file = registry.get_file(name)
     root = data_dir()

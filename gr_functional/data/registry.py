@@ -121,7 +121,7 @@ _FILES: dict[str, DataFile] = {}
 # The shipped datasets register themselves when their modules are imported, which happens on the
 # first use of this registry, in this order (the order of names()): imported here at module level,
 # they would import this module back while it is half-built (tests/test_layering.py).
-_SHIPPED = ("synthetic", "movielens", "kuairand", "interactions")
+_SHIPPED = ("synthetic", "movielens", "kuairand", "kuairand_features", "interactions")
 _shipped_loaded = False
 
 

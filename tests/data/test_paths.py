@@ -49,10 +49,12 @@ def test_real_layout(real_data_env):
     assert dataset_path("ml-1m").name in ("ratings.dat", "ratings_known.dat")
     assert dataset_path("kuairand-sample").is_file()
     assert dataset_path("kuairand-27k-lengths").is_file()
+    assert dataset_path("kuairand-user-features").is_file() and dataset_path("kuairand-video-features").is_file()
 
 
 def test_names_and_labels():
     from gr_functional.data.paths import dataset_names
-    assert dataset_names() == ("ml-1m", "ml-20m", "kuairand-sample", "kuairand-27k-lengths")
+    assert dataset_names() == ("ml-1m", "ml-20m", "kuairand-sample", "kuairand-27k-lengths", "kuairand-user-features",
+                               "kuairand-video-features")
     assert dataset_label("kuairand", "x/log_random_4_22_to_5_08_1k.head_users0-3.csv").endswith("(211-row sample)")
     assert dataset_label("kuairand", "x/log_standard_4_08_to_4_21_pure.csv") == "KuaiRand (log_standard_4_08_to_4_21_pure.csv)"
