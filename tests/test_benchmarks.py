@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import attention, mfu, step, throughput
@@ -97,3 +98,23 @@ def test_negatives_bench_json(capsys):
     assert private == rows[0]["tokens"] * 8 * 16 * 4
     assert private / 2 < rows[1]["negative_bytes"] <= private / 2 + 4 * 16    # + a scale per sequence
     assert rows[2]["negative_bytes"] == 32 * 16 * 4 and rows[3]["negative_bytes"] == 32 * 16 * 2 + 4
+
+
+def test_stream_bench_json(capsys):
+    """Training on a (small) KuaiRand-shaped stream with a hash table below its ids: the rows
+    report throughput, RSS, the table filling to its capacity and evicting, and dedup."""
+    from benchmarks import stream
+    from gr_functional.config import load_config
+    from gr_functional.data.stream import KuaiRandStream
+
+    sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
+            "embedding.capacity=600", "loss.num_negatives=32", "train.batch_size=8", "train.log_every=2"]
+    cfg = load_config("experiments/configs/kuairand27k_stream.toml", sets)
+    rows = stream.run(json_lines=True, cfg=cfg, steps=6,
+                      stream=KuaiRandStream(lengths=np.full(30, 200), window=32, num_items=100_000))
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert rows[-1]["occupancy"] == 600 and rows[-1]["evictions"] > 0        # bounded by the capacity
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["host_share"] < 1 and r["peak_rss_mb"] >= r["rss_mb"] > 0
+        assert 0 < r["unique_per_step"] <= r["ids_per_step"] and r["bytes_after"] == r["unique_per_step"] * 64

@@ -7,7 +7,8 @@ user's contextual features. Two ways in:
 - ``load_gr_processed``: GR's own ``processed_seqs.csv`` (list columns written as "[a, b, ...]"),
   so a GR user's preprocessed data trains here unchanged; ``write_gr_processed`` writes one.
 
-GR's preprocessing rules kept here, each deliberate:
+GR's preprocessing (``generative_recommenders/dlrm_v3/preprocess_public_data.py``,
+``DLRMKuaiRandProcessor``, at commit 2e81fab), rules kept here, each deliberate:
 - ``action_weights`` is a bitmask: is_click 1, is_like 2, is_follow 4, is_comment 8, is_forward 16,
   is_hate 32, long_view 64, is_profile_enter 128 (a bit set where the log's column is non-zero);
 - a user's events stay in file order (GR groups rows by user with pandas, which keeps row order;
