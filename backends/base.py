@@ -64,7 +64,7 @@ class Backend:
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
                   "sampled_logits", "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
-                  "hstu_norm_mul")
+                  "hstu_norm_mul", "stu_attention")
     # sampled_logits scores all items with one matmul when the catalogue is at most this many
     # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows: ~2.5x in a one-off
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
@@ -450,6 +450,42 @@ class Backend:
         mask = xp.astype(xp.logical_and(j <= i, valid_j), scores.dtype)
         probs = self.silu(scores) * (mask / norm_len)
         out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                # [B, L, H, dv]
+        real = layout.seq_id < Bc
+        flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
+        rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
+        return rows * xp.reshape(xp.astype(real, rows.dtype), (-1, 1, 1))
+
+    def stu_attention(self, q, k, v, layout: Jagged, num_targets, norm_len: int, alpha: float):
+        """Target-aware HSTU attention of generative-recommenders' dlrm_v3 ranking model (its
+        PyTorch kernel ``pytorch_hstu_mha`` with ``causal=True`` and ``num_targets``), padded
+        reference. q[T, H, dqk], k[T, H, dqk], v[T, H, dv], ``num_targets[B_cap]`` int32 (the
+        candidates ending each sequence) -> [T, H, dv], zeros on padding rows::
+
+            out_i = sum_j SiLU(alpha * q_i . k_j) / norm_len * M_ij * v_j
+            M_ij  = (i == j) or (r(i) > r(j)),   r(i) = min(i, L_b - num_targets_b)
+
+        so history tokens attend causally, each candidate attends the whole history and itself but
+        no other candidate, and nothing attends a candidate. ``norm_len``: GR divides by the
+        batch's padded length (no softmax, no per-row normaliser)."""
+        xp = self.xp
+        L, Bc = layout.max_len, layout.b_cap
+        H = q.shape[1]
+
+        def dense(x):  # [T, H, d] -> [B, H, L, d]
+            return xp.permute_dims(self.gather_rows(self._ext(x), layout.dense_index), (0, 2, 1, 3))
+
+        qd, kd, vd = dense(q), dense(k), dense(v)
+        scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2))) * alpha             # [B, H, L, L]
+        pos = xp.arange(L, dtype=xp.int32, device=self.array_device)
+        history = xp.reshape(layout.lengths - num_targets, (Bc, 1))                   # L_b - C_b
+        r = xp.minimum(xp.reshape(pos, (1, L)), history)                               # [B, L]
+        i = xp.reshape(pos, (1, L, 1))
+        j = xp.reshape(pos, (1, 1, L))
+        valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1))
+        allowed = xp.logical_or(i == j, xp.reshape(r, (Bc, L, 1)) > xp.reshape(r, (Bc, 1, L)))
+        mask = xp.astype(xp.logical_and(allowed, valid_j), scores.dtype)
+        probs = self.silu(scores) * (xp.reshape(mask, (Bc, 1, L, L)) / norm_len)
+        out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                    # [B, L, H, dv]
         real = layout.seq_id < Bc
         flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
         rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)

@@ -73,6 +73,22 @@ def hstu_attention(q, k, v, offsets, norm_len, pos_w=None, ts_w=None, ts=None, q
     return out
 
 
+def stu_attention(q, k, v, offsets, num_targets, norm_len, alpha):
+    """Target-aware attention of GR's dlrm_v3 (``Backend.stu_attention``), written per pair:
+    token i of a sequence with n tokens, the last c of them candidates, attends token j when
+    i == j, or when j is a history token (j < n - c) before i; scores SiLU(alpha q.k) / norm_len."""
+    out = np.zeros(q.shape[:2] + (v.shape[2],))
+    for b in range(len(offsets) - 1):
+        s, e = offsets[b], offsets[b + 1]
+        n, c = e - s, num_targets[b]
+        for i in range(n):
+            for j in range(n):
+                if i == j or (j < n - c and j < i):
+                    for h in range(q.shape[1]):
+                        out[s + i, h] += silu(alpha * q[s + i, h] @ k[s + j, h]) / norm_len * v[s + j, h]
+    return out
+
+
 def round_16bit(x, scale, precision: str):
     """``x`` stored in 16 bits with fp32 scales and read back, as float64: ``x / scale`` divided
     in float32 (as the backends do on fp32 arrays), rounded to nearest-even float16 or bfloat16

@@ -20,7 +20,8 @@ def test_kernel_op_list_is_covered():
     # shared_logsumexp: through the shared_pool / in_batch losses vs their float64 oracle on every
     # backend (test_losses.py) and torch's chunked form vs the reference (below)
     tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
-              "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul"}
+              "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul",
+              "stu_attention"}
     assert set(Backend.KERNEL_OPS) == tested
 
 
@@ -180,6 +181,30 @@ def test_sampled_logits_16bit_vs_oracle_and_grads(backend, rng, precision):
     _assert_grads_agree(lambda B, a: B.xp.sum(B.sampled_logits_16bit(a["user"], a["items"], a["ids"], a["scale"],
                                                                       precision) * a["cot"]),
                         {"user": user, "items": items, "ids": ids, "scale": scale, "cot": cot})
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_stu_attention_vs_oracle_and_grads(backend, rng, case):
+    """dlrm_v3's target-aware attention (candidates see the history and themselves, not each
+    other; nothing sees a candidate): vs a per-pair float64 oracle, with 0 to 3 candidates per
+    sequence (0: plain causal), and gradients vs the reference ops in float64."""
+    layout, inputs, n = attention_inputs(case, rng, with_bias=False)
+    lengths = np.asarray(layout.lengths)
+    targets = np.minimum(np.arange(len(lengths)) % 4, lengths).astype(np.int32)
+    alpha = 0.7
+    a = backend.asarray_tree({k: inputs[k] for k in ("q", "k", "v")})
+    out = backend.stu_attention(a["q"], a["k"], a["v"], backend.asarray_tree(layout), backend.asarray(targets), n,
+                                alpha)
+    f64 = {k: inputs[k].astype(np.float64) for k in ("q", "k", "v")}
+    want = oracle.stu_attention(f64["q"], f64["k"], f64["v"], np.asarray(layout.offsets), targets, n, alpha)
+    assert rel_err(backend.to_numpy(out), want) <= FWD_TOL
+    cot = rng.standard_normal(inputs["v"].shape).astype(np.float32)
+
+    def f(B, x):
+        return B.xp.sum(B.stu_attention(x["q"], x["k"], x["v"], x["layout"], x["targets"], n, alpha) * x["cot"])
+
+    _assert_grads_agree(f, {"q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "layout": layout,
+                            "targets": targets, "cot": cot})
 
 
 # ------------------------------------------------------------------ jagged (tiled) attention
