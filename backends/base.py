@@ -433,27 +433,9 @@ class Backend:
     def hstu_attention_padded(self, q, k, v, layout: Jagged, norm_len: int, bias: AttentionBias = NO_BIAS):
         """The reference of ``hstu_attention``: padded dense ``[B, H, L, L]`` scores (L = max_len)."""
         xp = self.xp
-        L, Bc = layout.max_len, layout.b_cap
-        H = q.shape[1]
-
-        def dense(x):  # [T, H, d] -> [B, H, L, d]
-            return xp.permute_dims(self.gather_rows(self._ext(x), layout.dense_index), (0, 2, 1, 3))
-
-        qd, kd, vd = dense(q), dense(k), dense(v)
-        scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2)))                # [B, H, L, L]
-        rab = self.relative_bias(layout, norm_len, bias)
-        if rab is not None:
-            scores = scores + xp.reshape(rab, (-1, 1, L, L))
-        i = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L, 1))
-        j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, 1, L))
-        valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1, 1))
-        mask = xp.astype(xp.logical_and(j <= i, valid_j), scores.dtype)
-        probs = self.silu(scores) * (mask / norm_len)
-        out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                # [B, L, H, dv]
-        real = layout.seq_id < Bc
-        flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
-        rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
-        return rows * xp.reshape(xp.astype(real, rows.dtype), (-1, 1, 1))
+        pos = xp.arange(layout.max_len, dtype=xp.int32, device=self.array_device)
+        causal = xp.reshape(pos, (1, -1, 1)) >= xp.reshape(pos, (1, 1, -1))
+        return self._padded_attention(q, k, v, layout, causal, norm_len, rab=self.relative_bias(layout, norm_len, bias))
 
     def stu_attention(self, q, k, v, layout: Jagged, num_targets, norm_len: int, alpha: float):
         """Target-aware HSTU attention of generative-recommenders' dlrm_v3 ranking model (its
@@ -469,23 +451,33 @@ class Backend:
         batch's padded length (no softmax, no per-row normaliser)."""
         xp = self.xp
         L, Bc = layout.max_len, layout.b_cap
+        pos = xp.arange(L, dtype=xp.int32, device=self.array_device)
+        r = xp.minimum(xp.reshape(pos, (1, L)), xp.reshape(layout.lengths - num_targets, (Bc, 1)))   # [B, L]
+        allowed = xp.logical_or(xp.reshape(pos, (1, L, 1)) == xp.reshape(pos, (1, 1, L)),
+                                xp.reshape(r, (Bc, L, 1)) > xp.reshape(r, (Bc, 1, L)))
+        return self._padded_attention(q, k, v, layout, allowed, norm_len, alpha=alpha)
+
+    def _padded_attention(self, q, k, v, layout: Jagged, allowed, norm_len: int, alpha: float = 1.0, rab=None):
+        """The padded SiLU attention both references share: ``SiLU(alpha q.k + rab) / norm_len``
+        on the pairs ``allowed[B | 1, L, L]`` (bool) permits, keys past a sequence's length never."""
+        xp = self.xp
+        L, Bc = layout.max_len, layout.b_cap
         H = q.shape[1]
 
         def dense(x):  # [T, H, d] -> [B, H, L, d]
             return xp.permute_dims(self.gather_rows(self._ext(x), layout.dense_index), (0, 2, 1, 3))
 
         qd, kd, vd = dense(q), dense(k), dense(v)
-        scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2))) * alpha             # [B, H, L, L]
-        pos = xp.arange(L, dtype=xp.int32, device=self.array_device)
-        history = xp.reshape(layout.lengths - num_targets, (Bc, 1))                   # L_b - C_b
-        r = xp.minimum(xp.reshape(pos, (1, L)), history)                               # [B, L]
-        i = xp.reshape(pos, (1, L, 1))
-        j = xp.reshape(pos, (1, 1, L))
+        scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2)))                # [B, H, L, L]
+        if alpha != 1.0:
+            scores = scores * alpha
+        if rab is not None:
+            scores = scores + xp.reshape(rab, (-1, 1, L, L))
+        j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L))
         valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1))
-        allowed = xp.logical_or(i == j, xp.reshape(r, (Bc, L, 1)) > xp.reshape(r, (Bc, 1, L)))
-        mask = xp.astype(xp.logical_and(allowed, valid_j), scores.dtype)
+        mask = xp.astype(xp.logical_and(allowed, valid_j), scores.dtype)         # [B, L, L]
         probs = self.silu(scores) * (xp.reshape(mask, (Bc, 1, L, L)) / norm_len)
-        out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                    # [B, L, H, dv]
+        out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                # [B, L, H, dv]
         real = layout.seq_id < Bc
         flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))
         rows = self.gather_rows(xp.reshape(out, (Bc * L, H, -1)), flat_idx)
