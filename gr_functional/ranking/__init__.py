@@ -1,3 +1,4 @@
 """The ranking side (issue [kuairand]): generative-recommenders' dlrm_v3 HSTU ranking model,
 reimplemented as pure functions over jagged arrays (docs/dlrm_v3_ranking_spec.md is the
-specification, with GR's file and line for each rule). Built so far: the STU layer (``stu``)."""
+specification, with GR's file and line for each rule). Built so far: the STU layer (``stu``), the position and time
+encodings (``encoding``)."""

@@ -82,3 +82,45 @@ def test_stu_layer_gradients(case):
         assert rel_err(got["x"], ref["x"]) <= GRAD_TOL, name
         for key in p:
             assert rel_err(got["p"][key], ref["p"][key]) <= GRAD_TOL, (name, key)
+
+
+# ------------------------------------------------------------------ position and time encodings
+def test_position_indices_count_back_from_the_newest_history_event():
+    from gr_functional.ranking.encoding import position_indices
+
+    # 6 contextual + 4 history + 2 candidates; 6 contextual + 1 history + 0 candidates; a sequence
+    # longer than the table (positions clamp to max_pos - 1)
+    got = position_indices([12, 7, 30], [2, 0, 1], contextual=6, max_pos=20)
+    assert got[:12].tolist() == [0, 1, 2, 3, 4, 5, 10, 9, 8, 7, 6, 6]
+    assert got[12:19].tolist() == [0, 1, 2, 3, 4, 5, 7]
+    third = got[19:]
+    assert third[:6].tolist() == list(range(6)) and third[-1] == 6 and third[-2] == 7
+    assert third[6:9].tolist() == [19, 19, 19]                 # 29 - 6 + 6 = 29 -> clamped to 19
+
+
+def test_time_buckets_follow_gr_float32_sqrt_rule():
+    from gr_functional.ranking.encoding import gr_time_bucket_cap, time_buckets
+
+    minute = 60
+    # one sequence: ages 0, 1 min, 4 min - 1 s, 4 min, 100 min; its last token is the query time
+    t = np.array([10**9 - 100 * minute, 10**9 - 4 * minute, 10**9 - 4 * minute + 1, 10**9 - minute, 10**9, 10**9])
+    got = time_buckets(t, [0, 6], cap=gr_time_bucket_cap(512))
+    assert got.tolist() == [10, 2, 1, 1, 0, 0]
+    # contextual tokens carry time 0: their age is the query time itself -> the cap
+    assert time_buckets(np.array([0, 1_651_314_030_792]), [0, 2], cap=511).tolist() == [511, 0]
+    assert time_buckets(np.array([5, 3]), [0, 2], cap=511).tolist() == [0, 0]    # newer than the query: 0
+    for age in (59, 60, 239, 240, 10**6, 10**9):              # the float32 rule, spelled out
+        want = min(int(np.sqrt(np.float32(age) / np.float32(60))), 511)
+        assert time_buckets(np.array([0, age]), [0, 2], cap=511)[0] == want
+
+
+def test_add_position_time_vs_numpy(backend):
+    from gr_functional.ranking.encoding import add_position_time
+
+    rng = np.random.default_rng(0)
+    tok = rng.standard_normal((5, 4)).astype(np.float32)
+    P, Tm = rng.standard_normal((9, 4)).astype(np.float32), rng.standard_normal((7, 4)).astype(np.float32)
+    pos, tau = np.array([0, 3, 8, 3, 1], np.int32), np.array([6, 0, 2, 2, 5], np.int32)
+    got = add_position_time(backend, *(backend.asarray(a) for a in (tok, pos, tau, P, Tm)))
+    want = tok.astype(np.float64) * 2.0 + P[pos] + Tm[tau]
+    assert rel_err(backend.to_numpy(got), want) <= FWD_TOL
