@@ -41,7 +41,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from backends import get_backend
     from gr_functional import losses
     from gr_functional.batch import make_batch
-    from gr_functional.config import load_config
+    from gr_functional.config import load_config, replace
     from gr_functional.data.stream import KuaiRandStream
     from gr_functional.embedding.lookup import localize_histories, make_host, table_params
     from gr_functional.model import init_params
@@ -49,6 +49,8 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from gr_functional.train import init_opt_state, make_train_step
 
     cfg = cfg or load_config("experiments/configs/kuairand27k_stream.toml")
+    if not cfg.model.num_items:  # the hash table holds the rows; the dense table it replaces is a stub
+        cfg = replace(cfg, model={"num_items": 1})
     validate(cfg)
     if cfg.embedding.kind != "hash":
         raise SystemExit("grf bench stream: set embedding.kind=hash (a dense table cannot hold 32M raw ids)")
