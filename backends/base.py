@@ -239,10 +239,13 @@ class Backend:
         return xp.astype(layout.seq_id < layout.b_cap, self.float_dtype)
 
     # ------------------------------------------------------------------ kernel ops (reference)
+    def sigmoid(self, x):
+        """``1 / (1 + exp(-x))`` via tanh, so neither it nor its gradient overflows at large |x|."""
+        return 0.5 * (self.xp.tanh(0.5 * x) + 1.0)
+
     def silu(self, x):
-        """``x * sigmoid(x)``; sigmoid via tanh so the gradient is finite at large |x|."""
-        xp = self.xp
-        return x * (0.5 * (xp.tanh(0.5 * x) + 1.0))
+        """``x * sigmoid(x)``."""
+        return x * self.sigmoid(x)
 
     def layer_norm(self, x, eps: float = 1e-6):
         """Parameter-free LayerNorm over the last axis (biased variance, as torch)."""

@@ -124,3 +124,74 @@ def test_add_position_time_vs_numpy(backend):
     got = add_position_time(backend, *(backend.asarray(a) for a in (tok, pos, tau, P, Tm)))
     want = tok.astype(np.float64) * 2.0 + P[pos] + Tm[tau]
     assert rel_err(backend.to_numpy(got), want) <= FWD_TOL
+
+
+# ------------------------------------------------------------------ input tokens
+def _ln(x, w, b, eps=1e-5):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(((x - m) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def _tower(p, x):
+    p = {k: v.astype(np.float64) for k, v in p.items()}
+    h = x @ p["w1"] + p["b1"]
+    h = h / (1 + np.exp(-_ln(h, p["sw_w"], p["sw_b"])))                    # x * sigmoid(LN(x))
+    return _ln(h @ p["w2"] + p["b2"], p["ln_w"], p["ln_b"])
+
+
+def _token_inputs(seed=0):
+    from gr_functional.ranking.tokens import init_tower
+
+    rng = np.random.default_rng(seed)
+    p = {"content": init_tower(6, 5, 8, rng), "action": init_tower(12, 5, 8, rng),
+         "bits": rng.standard_normal((4, 3)).astype(np.float32), "target": rng.standard_normal((1, 12)).astype(np.float32),
+         "wc": rng.standard_normal((2, 6, 8)).astype(np.float32), "bc": rng.standard_normal((2, 8)).astype(np.float32)}
+    for t in ("content", "action"):                                             # non-trivial norms and biases
+        for k in ("b1", "sw_b", "b2", "ln_b"):
+            p[t][k] = rng.normal(0, 0.2, p[t][k].shape).astype(np.float32)
+        for k in ("sw_w", "ln_w"):
+            p[t][k] = rng.uniform(0.5, 1.5, p[t][k].shape).astype(np.float32)
+    items = rng.standard_normal((7, 6)).astype(np.float32)                      # 3 + 4 item tokens
+    bitmask = np.array([0, 1, 6, 15, 9, 0, 0], np.int32)                         # the last two: candidates
+    is_cand = np.array([0, 0, 1, 0, 0, 0, 1], np.float32)[:, None]
+    ctx = rng.standard_normal((2, 2, 6)).astype(np.float32)
+    return p, items, bitmask, is_cand, ctx
+
+
+def _tokens(B, a):
+    from gr_functional.ranking.tokens import action_bits, assemble, contextual_tokens, tower
+
+    acts = action_bits(B, a["p"]["bits"], a["bitmask"], (1, 2, 4, 8))
+    acts = acts * (1.0 - a["is_cand"]) + a["p"]["target"] * a["is_cand"]
+    items = tower(B, a["p"]["content"], a["items"]) + tower(B, a["p"]["action"], acts)
+    ctx = contextual_tokens(B, a["ctx"], a["p"]["wc"], a["p"]["bc"])
+    return assemble(B, ctx, items, a["source"])
+
+
+def test_input_tokens_vs_oracle_and_grads(backend):
+    from gr_functional.ranking.tokens import assembly_index
+
+    p, items, bitmask, is_cand, ctx = _token_inputs()
+    source = assembly_index(2, 2, [3, 4], t_cap=14)
+    a = {"p": p, "items": items, "bitmask": bitmask, "is_cand": is_cand, "ctx": ctx, "source": source}
+    got = backend.to_numpy(_tokens(backend, backend.asarray_tree(a)))
+    # float64 oracle, written out: bits concatenated per action type, candidates read the target
+    acts = np.stack([np.concatenate([p["bits"][k] * bool(m & (1 << k)) for k in range(4)]) for m in bitmask])
+    acts = np.where(is_cand > 0, p["target"], acts)
+    item_tok = _tower(p["content"], items.astype(np.float64)) + _tower(p["action"], acts.astype(np.float64))
+    ctx_tok = np.einsum("bse,sed->bsd", ctx.astype(np.float64), p["wc"]) + p["bc"]
+    want = np.concatenate([ctx_tok[0], item_tok[:3], ctx_tok[1], item_tok[3:], np.zeros((14 - 11, 8))])
+    assert source.tolist()[:11] == [0, 1, 4, 5, 6, 2, 3, 7, 8, 9, 10] and set(source[11:]) == {11}
+    assert rel_err(got, want) <= FWD_TOL
+    cot = np.random.default_rng(5).standard_normal(want.shape).astype(np.float32)
+    inputs = {**a, "cot": cot}
+    f = lambda B, x: B.xp.sum(_tokens(B, x) * x["cot"])  # noqa: E731
+    ref = grads(reference_grad_backend(), f, inputs)
+    for name in backends_under_test():
+        got_g = grads(get_backend(name), f, inputs)
+        for key in ("bits", "target", "wc", "bc"):
+            assert rel_err(got_g["p"][key], ref["p"][key]) <= GRAD_TOL, (name, key)
+        for tw in ("content", "action"):
+            for key in p[tw]:
+                assert rel_err(got_g["p"][tw][key], ref["p"][tw][key]) <= GRAD_TOL, (name, tw, key)
+        assert rel_err(got_g["items"], ref["items"]) <= GRAD_TOL and rel_err(got_g["ctx"], ref["ctx"]) <= GRAD_TOL
