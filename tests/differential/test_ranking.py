@@ -195,3 +195,77 @@ def test_input_tokens_vs_oracle_and_grads(backend):
             for key in p[tw]:
                 assert rel_err(got_g["p"][tw][key], ref["p"][tw][key]) <= GRAD_TOL, (name, tw, key)
         assert rel_err(got_g["items"], ref["items"]) <= GRAD_TOL and rel_err(got_g["ctx"], ref["ctx"]) <= GRAD_TOL
+
+
+# ------------------------------------------------------------------ output side
+def test_time_features_follow_gr_float32_rule():
+    """Against the same operations done by torch as GR's postprocessor does them (int64
+    timestamps divided by a float32 period with floor rounding, remainder, 2 * 3.14, polar):
+    millisecond timestamps near 1.65e12 are coarse in float32 and must come out the same."""
+    import torch
+
+    from gr_functional.ranking.heads import TIME_PERIODS, time_features
+
+    t = np.array([0, 3600, 7 * 3600 + 5, 86400 * 3 + 3600 * 23, 1_651_314_030_792, 1_651_466_607_423, 1_649_000_000_001])
+    got = time_features(t)
+    ts = torch.tensor(t).unsqueeze(-1)
+    unit = torch.tensor([[float(u) for u, _ in TIME_PERIODS]])
+    cycle = torch.tensor([[float(c) for _, c in TIME_PERIODS]])
+    theta = torch.remainder(torch.div(ts, unit, rounding_mode="floor"), cycle) / cycle * 2 * 3.14
+    want = torch.view_as_real(torch.polar(torch.ones_like(theta), theta)).flatten(-2, -1).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert got[0].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def _head_inputs(seed=0):
+    from gr_functional.ranking.tokens import init_tower
+
+    rng = np.random.default_rng(seed)
+    n, D, K = 6, 8, 3
+    p = {"post": {"w": rng.standard_normal((D + 4, D)).astype(np.float32) * 0.3, "b": rng.normal(0, 0.1, D).astype(np.float32),
+                  "ln_w": rng.uniform(0.5, 1.5, D).astype(np.float32), "ln_b": rng.normal(0, 0.1, D).astype(np.float32)},
+         "item": init_tower(5, D, D, rng),
+         "task": {"w1": rng.standard_normal((D, D)).astype(np.float32) * 0.3, "b1": rng.normal(0, 0.1, D).astype(np.float32),
+                  "sw_w": rng.uniform(0.5, 1.5, D).astype(np.float32), "sw_b": rng.normal(0, 0.1, D).astype(np.float32),
+                  "w2": rng.standard_normal((D, K)).astype(np.float32), "b2": rng.normal(0, 0.1, K).astype(np.float32)}}
+    x = rng.standard_normal((n, D)).astype(np.float32)
+    emb = rng.standard_normal((n, 5)).astype(np.float32)
+    feats = rng.uniform(-1, 1, (n, 4)).astype(np.float32)
+    from gr_functional.ranking.heads import task_labels
+    labels = task_labels(np.array([0, 1, 3, 4, 7, 2]), (1, 2, 4))
+    mask = np.array([1, 1, 1, 1, 1, 0], np.float32)                           # the last: padding
+    return {"p": p, "x": x, "emb": emb, "feats": feats, "labels": labels, "mask": mask}
+
+
+def _head_loss(B, a):
+    from gr_functional.ranking.heads import multitask_logits, multitask_loss, postprocess
+    from gr_functional.ranking.tokens import tower
+
+    user = postprocess(B, a["p"]["post"], a["x"], a["feats"])
+    item = tower(B, a["p"]["item"], a["emb"])
+    return multitask_loss(B, multitask_logits(B, a["p"]["task"], user, item), a["labels"], a["mask"])
+
+
+def test_heads_and_multitask_loss_vs_oracle_and_grads(backend):
+    a = _head_inputs()
+    total, per_task = _head_loss(backend, backend.asarray_tree(a))
+    p = {k: {n: v.astype(np.float64) for n, v in d.items()} for k, d in a["p"].items()}
+    user = _ln(np.concatenate([a["x"], a["feats"]], 1) @ p["post"]["w"] + p["post"]["b"], p["post"]["ln_w"], p["post"]["ln_b"])
+    item = _tower(a["p"]["item"], a["emb"].astype(np.float64))
+    h = (user * item) @ p["task"]["w1"] + p["task"]["b1"]
+    h = h / (1 + np.exp(-_ln(h, p["task"]["sw_w"], p["task"]["sw_b"])))
+    z = h @ p["task"]["w2"] + p["task"]["b2"]
+    y = a["labels"]
+    bce = np.log1p(np.exp(-np.abs(z))) + np.maximum(z, 0) - y * z
+    want = 0.2 * (bce[:5]).mean(axis=0)
+    assert a["labels"].tolist()[:5] == [[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 1], [1, 1, 1]]
+    assert rel_err(backend.to_numpy(per_task), want) <= FWD_TOL
+    assert rel_err(backend.to_numpy(total), want.sum()) <= FWD_TOL
+    f = lambda B, x: _head_loss(B, x)[0]  # noqa: E731
+    ref = grads(reference_grad_backend(), f, a)
+    for name in backends_under_test():
+        got = grads(get_backend(name), f, a)
+        assert rel_err(got["x"], ref["x"]) <= GRAD_TOL and rel_err(got["emb"], ref["emb"]) <= GRAD_TOL
+        for part in a["p"]:
+            for key in a["p"][part]:
+                assert rel_err(got["p"][part][key], ref["p"][part][key]) <= GRAD_TOL, (name, part, key)
