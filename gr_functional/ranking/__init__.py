@@ -1,8 +1,9 @@
 """The ranking side (issue [kuairand]): generative-recommenders' dlrm_v3 HSTU ranking model,
 reimplemented as pure functions over jagged arrays (docs/dlrm_v3_ranking_spec.md is the
-specification, with GR's file and line for each rule). Built so far: the STU layer (``stu``),
-the position and time encodings (``encoding``), the input tokens (``tokens``: contextual slots,
-content and action towers, the action bitmask encoder, jagged assembly), the output side
-(``heads``: timestamp postprocessor, multitask head, per-task BCE; the item tower is a
-``tokens.tower``). Not yet: the batch builder and the model that joins them, and the check
-against GR's own code."""
+specification, with GR's file and line for each rule): the STU layer (``stu``), the position and
+time encodings (``encoding``), the input tokens (``tokens``: contextual slots, content and action
+towers, the action bitmask encoder, jagged assembly), the output side (``heads``: timestamp
+postprocessor, multitask head, per-task BCE) and the joined model with its host-side batch
+builder (``model``). Not yet: hash tables for the 10M-row id tables, a training loop and config
+in ``grf train``, AUC/GAUC evaluation wired to ``data.ranking_metrics``, and the check against
+GR's own code."""

@@ -1,0 +1,214 @@
+"""dlrm_v3's HSTU ranking model, joined from its pieces (spec: docs/dlrm_v3_ranking_spec.md):
+a batch of users (``RankingBatch``, built on the host by ``make_ranking_batch``) -> per-candidate
+logits for every task and the multitask loss. Pure functions of ``(B, params, batch, cfg)``.
+
+Per user: the 6 contextual tokens, the history (the oldest ``max_seq_len - num_candidates - 6``
+events before the candidates, as GR's ``maybe_truncate_seq`` keeps them) and the last
+``num_candidates`` events as candidates, whose action bits are the labels. Ids index the tables
+modulo their sizes (GR's ``process_and_hash_x``). Dense tables only so far; the hash tables of
+``gr_functional.embedding`` come with the training loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from ..data.sources.kuairand_ranking import CONTEXT_FEATURES
+from ..jagged import Jagged
+from .encoding import add_position_time, gr_time_bucket_cap, position_indices, time_buckets
+from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
+from .stu import init_stu_params, stu_layer
+from .tokens import action_bits, assemble, assembly_index, contextual_tokens, init_tower, tower
+
+ACTION_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+TASKS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankingModelConfig:
+    """GR's kuairand-1k values by default (spec section 1)."""
+
+    embed_dim: int = 256                 # embedding tables
+    dim: int = 512                       # model width
+    num_layers: int = 3
+    heads: int = 4
+    dqk: int = 128
+    dv: int = 128
+    max_seq_len: int = 2056              # contextual + history + candidates
+    num_candidates: int = 10
+    video_table: int = 10_000_000
+    context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
+    action_dim: int = 8
+    action_weights: tuple[int, ...] = ACTION_WEIGHTS
+    tower_hidden: int = 256              # content and action towers
+    position_buckets: int = 8192
+    time_buckets: int = 2048             # the time table has time_buckets + 1 rows
+    time_bucket_cap: int = -1            # -1: GR's PyTorch kernel's cap, dim - 1
+    input_dropout: float = 0.2
+    linear_dropout: float = 0.1
+
+    @property
+    def contextual(self) -> int:
+        return len(self.context_tables)
+
+    @property
+    def max_history(self) -> int:
+        return self.max_seq_len - self.num_candidates - self.contextual
+
+    @property
+    def cap(self) -> int:
+        return gr_time_bucket_cap(self.dim) if self.time_bucket_cap < 0 else self.time_bucket_cap
+
+
+def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
+    """numpy parameters with GR's initialisation (spec section 6.1; GR itself is unseeded)."""
+    rng = np.random.default_rng(seed)
+    E, D, K = cfg.embed_dim, cfg.dim, len(cfg.action_weights)
+
+    def xavier_uniform(shape):
+        b = math.sqrt(6.0 / (shape[0] + shape[1]))
+        return rng.uniform(-b, b, shape).astype(np.float32)
+
+    item = init_tower(E, D, D, rng)
+    item["w1"], item["w2"] = xavier_uniform((E, D)), xavier_uniform((D, D))       # not re-initialised in GR
+    return {
+        "video": rng.uniform(-1, 1, (cfg.video_table, E)).astype(np.float32) / math.sqrt(cfg.video_table),
+        "context": {f"t{s}": rng.uniform(-1, 1, (n, E)).astype(np.float32) / math.sqrt(n)
+                    for s, n in enumerate(cfg.context_tables)},
+        "wc": (rng.standard_normal((cfg.contextual, E, D)) * math.sqrt(2.0 / (E + D))).astype(np.float32),
+        "bc": np.zeros((cfg.contextual, D), np.float32),
+        "content": init_tower(E, cfg.tower_hidden, D, rng),
+        "action": init_tower(K * cfg.action_dim, cfg.tower_hidden, D, rng),
+        "action_table": (rng.standard_normal((K, cfg.action_dim)) * 0.1).astype(np.float32),
+        "action_target": (rng.standard_normal((1, K * cfg.action_dim)) * 0.1).astype(np.float32),
+        "position": rng.uniform(-1, 1, (cfg.position_buckets, D)).astype(np.float32) * math.sqrt(1.0 / cfg.position_buckets),
+        "time": rng.uniform(-1, 1, (cfg.time_buckets + 1, D)).astype(np.float32) * math.sqrt(1.0 / cfg.time_buckets),
+        "stu": {f"layer{i}": init_stu_params(D, cfg.heads, cfg.dqk, cfg.dv, rng) for i in range(cfg.num_layers)},
+        "post": {"w": (rng.standard_normal((D + 4, D)) * math.sqrt(2.0 / (2 * D + 4))).astype(np.float32),
+                 "b": np.zeros(D, np.float32), "ln_w": np.ones(D, np.float32), "ln_b": np.zeros(D, np.float32)},
+        "item": item,
+        "task": {"w1": xavier_uniform((D, D)), "b1": np.zeros(D, np.float32), "sw_w": np.ones(D, np.float32),
+                 "sw_b": np.zeros(D, np.float32), "w2": xavier_uniform((D, K)), "b2": np.zeros(K, np.float32)},
+    }
+
+
+@dataclasses.dataclass
+class RankingBatch:
+    """Host arrays of one batch (``B.asarray_tree`` moves them). ``n`` item tokens (history and
+    candidates, user after user), ``c`` candidates, ``T`` tokens in all, capacities padded:
+
+      layout            Jagged over the T tokens (max_len = the batch's longest sequence: GR's N)
+      item_ids[n]       video table rows;  bitmask[n] action bits (0 for candidates);  is_cand[n, 1]
+      ctx_ids[B, S]     each contextual feature's table row
+      source[T]         ``tokens.assemble`` index;  pos_idx[T], time_idx[T]
+      num_targets[B]    candidates per user
+      cand_rows[c]      each candidate's token row;  cand_items[c] its video row
+      cand_feats[c, 4]  time features of its query time;  labels[c, K];  cand_mask[c]
+      keep_input[T, D], keep_layers[L, T, 3 H dv]: dropout masks / keep probability, or None
+    """
+
+    layout: Jagged
+    item_ids: Any
+    bitmask: Any
+    is_cand: Any
+    ctx_ids: Any
+    source: Any
+    pos_idx: Any
+    time_idx: Any
+    num_targets: Any
+    cand_rows: Any
+    cand_items: Any
+    cand_feats: Any
+    labels: Any
+    cand_mask: Any
+    keep_input: Any = None
+    keep_layers: Any = None
+
+
+def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None) -> RankingBatch:
+    """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
+    ``rng`` draws the dropout masks (None: evaluation, no dropout). A user needs more events than
+    ``num_candidates`` (GR skips the others too)."""
+    S, C = cfg.contextual, cfg.num_candidates
+    items, bits, cand_flag, times, lengths, targets = [], [], [], [], [], []
+    cand_items, cand_bits, query = [], [], []
+    for u in users:
+        seq = seqs.sequence(u)
+        n = len(seq["video_id"])
+        if n <= C:
+            raise ValueError(f"user {int(seqs.users[u])} has {n} events; a ranking sample needs more than "
+                             f"num_candidates={C}")
+        hist = slice(0, min(n - C, cfg.max_history))                   # the oldest history events, as GR keeps
+        cand = slice(n - C, n)
+        v = seq["video_id"] % cfg.video_table
+        items += [v[hist], v[cand]]
+        bits += [seq["action_weights"][hist], np.zeros(C, np.int64)]
+        cand_flag += [np.zeros(hist.stop), np.ones(C)]
+        q = int(seq["time_ms"][hist].max())                             # the candidates' query time
+        times += [np.zeros(S, np.int64), seq["time_ms"][hist], np.full(C, q)]
+        lengths.append(S + hist.stop + C)
+        targets.append(C)
+        cand_items.append(v[cand])
+        cand_bits.append(seq["action_weights"][cand])
+        query.append(np.full(C, q))
+    B_cap, T = len(users), int(sum(lengths))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    layout = Jagged.from_offsets(np.zeros(T, np.int32), offsets, max_len=int(max(lengths)), b_cap=B_cap)
+    t_cap = layout.t_cap
+    ctx = np.stack([np.concatenate([[seqs.users[u]], [seqs.context[name][u] for name in CONTEXT_FEATURES]])
+                    for u in users]) % np.asarray(cfg.context_tables)
+    cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(B_cap)])
+    timestamps = np.concatenate(times)
+
+    def pad(x, size, fill=0):
+        x = np.asarray(x)
+        return np.concatenate([x, np.full((size - len(x),) + x.shape[1:], fill, x.dtype)])
+
+    keep_input = keep_layers = None
+    if rng is not None:
+        keep_input = (rng.random((t_cap, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
+        keep_layers = (rng.random((cfg.num_layers, t_cap, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
+            1.0 - cfg.linear_dropout)
+        keep_input, keep_layers = keep_input.astype(np.float32), keep_layers.astype(np.float32)
+    item_lengths = [l - S for l in lengths]
+    return RankingBatch(
+        layout=layout, item_ids=np.concatenate(items).astype(np.int32), bitmask=np.concatenate(bits).astype(np.int32),
+        is_cand=np.concatenate(cand_flag).astype(np.float32)[:, None], ctx_ids=ctx.astype(np.int32),
+        source=assembly_index(B_cap, S, item_lengths, t_cap),
+        pos_idx=pad(position_indices(lengths, targets, S, cfg.position_buckets), t_cap).astype(np.int32),
+        time_idx=pad(time_buckets(timestamps, offsets, cfg.cap), t_cap).astype(np.int32),
+        num_targets=np.asarray(targets, np.int32), cand_rows=cand_rows.astype(np.int32),
+        cand_items=np.concatenate(cand_items).astype(np.int32),
+        cand_feats=time_features(np.concatenate(query)), labels=task_labels(np.concatenate(cand_bits), cfg.action_weights),
+        cand_mask=np.ones(len(cand_rows), np.float32), keep_input=keep_input, keep_layers=keep_layers)
+
+
+def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
+    """``[c, K]`` logits of every candidate and task."""
+    xp = B.xp
+    item_emb = B.gather_table(params["video"], batch.item_ids)
+    acts = action_bits(B, params["action_table"], batch.bitmask, cfg.action_weights)
+    acts = acts * (1.0 - batch.is_cand) + params["action_target"] * batch.is_cand
+    items = tower(B, params["content"], item_emb) + tower(B, params["action"], acts)
+    ctx_emb = xp.stack([B.gather_table(params["context"][f"t{s}"], batch.ctx_ids[:, s])
+                        for s in range(cfg.contextual)], axis=1)                               # [B, S, E]
+    tok = assemble(B, contextual_tokens(B, ctx_emb, params["wc"], params["bc"]), items, batch.source)
+    x = add_position_time(B, tok, batch.pos_idx, batch.time_idx, params["position"], params["time"])
+    if batch.keep_input is not None:
+        x = x * batch.keep_input
+    for i in range(cfg.num_layers):
+        keep = None if batch.keep_layers is None else batch.keep_layers[i]
+        x = stu_layer(B, params["stu"][f"layer{i}"], x, batch.layout, batch.num_targets, batch.layout.max_len,
+                      cfg.heads, cfg.dqk, keep)
+    x_cand = B.gather_rows(x, batch.cand_rows)
+    user = postprocess(B, params["post"], x_cand, batch.cand_feats)
+    item = tower(B, params["item"], B.gather_table(params["video"], batch.cand_items))
+    return multitask_logits(B, params["task"], user, item)
+
+
+def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
+    """``(loss, per_task[K])``: GR's sum over tasks of 0.2 x mean BCE."""
+    return multitask_loss(B, ranking_logits(B, params, batch, cfg), batch.labels, batch.cand_mask)
