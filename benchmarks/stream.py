@@ -6,8 +6,9 @@ It is the scale check of the sparse side: memory must be bounded by the table's 
 the id range or the number of interactions. Every ``train.log_every`` steps a row reports the
 interval's tokens/s, the host-side share of the wall time (stream windows, id localisation,
 dedup + hash-table assignment, batch building), this process's RSS and peak RSS, the table's
-occupancy / inserts / evictions / hit rate, and dedup: item ids named per step (inputs, targets,
-negatives) against distinct ids looked up, as fp32 row bytes. ``train.max_steps`` steps (default
+occupancy / inserts / evictions / hit rate, and dedup: item ids a step's sequences name (history
+inputs and targets; the in-batch negatives are rows of those) against distinct ids looked up, as
+fp32 row bytes. ``train.max_steps`` steps (default
 100); the model and table come from the config (``experiments/configs/kuairand27k_stream.toml``
 is the preset: hash table, row-wise Adagrad, in-batch negatives, sequences of ``model.max_len``
 events). Quality is not measured: the stream's ids are random (the Zipf popularity is its only
