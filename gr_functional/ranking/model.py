@@ -43,7 +43,9 @@ class RankingModelConfig:
     context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
     action_dim: int = 8
     action_weights: tuple[int, ...] = ACTION_WEIGHTS
-    tower_hidden: int = 256              # content and action towers
+    tower_hidden: int = 256              # content and action towers (GR: the constant 256)
+    item_hidden: int = 512               # item tower's hidden width (GR: the constant 512, not the model width)
+    task_hidden: int = 512               # multitask head's hidden width (GR: the constant 512)
     position_buckets: int = 8192
     time_buckets: int = 2048             # the time table has time_buckets + 1 rows
     time_bucket_cap: int = -1            # -1: GR's PyTorch kernel's cap, dim - 1
@@ -72,8 +74,9 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
         b = math.sqrt(6.0 / (shape[0] + shape[1]))
         return rng.uniform(-b, b, shape).astype(np.float32)
 
-    item = init_tower(E, D, D, rng)
-    item["w1"], item["w2"] = xavier_uniform((E, D)), xavier_uniform((D, D))       # not re-initialised in GR
+    Hi, Ht = cfg.item_hidden, cfg.task_hidden
+    item = init_tower(E, Hi, D, rng)
+    item["w1"], item["w2"] = xavier_uniform((E, Hi)), xavier_uniform((Hi, D))     # not re-initialised in GR
     return {
         "video": rng.uniform(-1, 1, (cfg.video_table, E)).astype(np.float32) / math.sqrt(cfg.video_table),
         "context": {f"t{s}": rng.uniform(-1, 1, (n, E)).astype(np.float32) / math.sqrt(n)
@@ -90,8 +93,8 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
         "post": {"w": (rng.standard_normal((D + 4, D)) * math.sqrt(2.0 / (2 * D + 4))).astype(np.float32),
                  "b": np.zeros(D, np.float32), "ln_w": np.ones(D, np.float32), "ln_b": np.zeros(D, np.float32)},
         "item": item,
-        "task": {"w1": xavier_uniform((D, D)), "b1": np.zeros(D, np.float32), "sw_w": np.ones(D, np.float32),
-                 "sw_b": np.zeros(D, np.float32), "w2": xavier_uniform((D, K)), "b2": np.zeros(K, np.float32)},
+        "task": {"w1": xavier_uniform((D, Ht)), "b1": np.zeros(Ht, np.float32), "sw_w": np.ones(Ht, np.float32),
+                 "sw_b": np.zeros(Ht, np.float32), "w2": xavier_uniform((Ht, K)), "b2": np.zeros(K, np.float32)},
     }
 
 

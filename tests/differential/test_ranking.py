@@ -339,3 +339,16 @@ def test_ranking_model_agrees_across_backends_and_learns(sample_seqs):
         assert rel_err(tasks, ref_tasks) <= 1e-5
         assert all(rel_err(a, b) <= 1e-4 for a, b in zip(tree_leaves(grads_), tree_leaves(ref_grads)))
         assert rel_err(curve, ref_curve) <= 1e-4
+
+
+def test_item_tower_and_task_head_widths_are_gr_constants():
+    """GR hard-codes 512 as the hidden width of the item tower and the task head
+    (modules/dlrm_hstu.py:142-146, 234-246), whatever the model width; tools/gr_ranking_crosscheck.py
+    copies these shapes into GR's modules."""
+    from gr_functional.ranking.model import RankingModelConfig, init_ranking_params
+
+    cfg = RankingModelConfig(**SMALL)
+    p = init_ranking_params(cfg)
+    assert p["item"]["w1"].shape == (8, 512) and p["item"]["w2"].shape == (512, 12)
+    assert p["task"]["w1"].shape == (12, 512) and p["task"]["w2"].shape == (512, 8)
+    assert p["content"]["w1"].shape == (8, 6) and p["action"]["w1"].shape == (16, 6)   # tower_hidden=6 here

@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""Developer cross-check: gr_functional.ranking against generative-recommenders' own dlrm_v3
+``DlrmHSTU`` (not part of the package, not run in CI).
+
+It needs GR's source tree (github.com/facebookresearch/generative-recommenders, checked at commit
+2e81fab) and a Python that imports both it and this project. On a CPU machine with this project
+installed (torch 2.13.0)::
+
+    python3 -m venv --system-site-packages grvenv
+    grvenv/bin/pip install fbgemm-gpu-cpu==1.8.0
+    grvenv/bin/pip install --no-deps torchrec==1.9.2       # its metadata would pull CUDA builds
+    grvenv/bin/pip install gin-config pandas tensordict iopath torchmetrics pyre-extensions
+    GR_SRC=path/to/generative-recommenders grvenv/bin/python tools/gr_ranking_crosscheck.py
+
+What it does, on the 4 users of the KuaiRand log sample, with a shrunken KuaiRand config:
+
+1. GR's model: ``dlrm_v3.configs.get_hstu_configs("kuairand-1k")`` and
+   ``get_embedding_table_config("kuairand-1k")`` with small dims, no dropout, fp32 tables; the
+   ``DlrmHSTU`` built as ``dlrm_v3.train.utils.make_model`` builds it (every Hammer kernel set to
+   ``HammerKernel.PYTORCH``), its ``meta``-device ``EmbeddingCollection`` swapped for a CPU one.
+2. Our parameters (``init_ranking_params``) are copied into GR's modules, every GR parameter
+   mapped (the script fails if one is left unmapped).
+3. GR's batch comes from GR's own loader: ``kuairand_ranking.write_gr_processed`` writes a
+   ``processed_seqs.csv``, ``DLRMv3KuaiRandDataset`` reads and hashes it, ``load_item`` builds the
+   per-user KJTs and ``datasets.dataset.collate_fn`` batches them. Ours: ``make_ranking_batch``
+   (``rng=None``: no dropout).
+4. GR's forward in training mode (the mode that returns losses) and backward of the sum of the
+   task losses (as ``train_loop`` does); ours with the torch backend in float32 and float64. It
+   prints the worst relative error (``max|a - b| / max|b|``, b = GR) of the logits, predictions,
+   per-task losses and every parameter's gradient, and exits 1 if one exceeds ``--tol``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+HERE = Path(__file__).resolve().parent
+PROJECT = HERE.parent
+
+# GR parameter name -> (our parameter path, transpose?). {i} is an STU layer number; the towers
+# are torch.nn.Sequential(Linear, SwishLayerNorm, Linear, LayerNorm), their Linear weights stored
+# [out, in] where ours are [in, out].
+_TOWER = {"0.weight": ("w1", True), "0.bias": ("b1", False), "1.weight": ("sw_w", False), "1.bias": ("sw_b", False),
+          "2.weight": ("w2", True), "2.bias": ("b2", False), "3.weight": ("ln_w", False), "3.bias": ("ln_b", False)}
+_STU = {"_uvqk_weight": "w_uvqk", "_uvqk_beta": "b_uvqk", "_input_norm_weight": "ln_w", "_input_norm_bias": "ln_b",
+        "_output_weight": "w_out", "_output_norm_weight": "gn_w", "_output_norm_bias": "gn_b"}
+_CONTEXT_TABLES = ("user_id", "user_active_degree", "follow_user_num_range", "fans_user_num_range",
+                   "friend_user_num_range", "register_days_range")
+
+
+def parameter_map(num_layers: int) -> dict[str, tuple[str, bool]]:
+    """Every parameter of GR's ``DlrmHSTU`` (KuaiRand) -> (our path, transpose)."""
+    m = {"_embedding_collection.embeddings.video_id.weight": ("video", False)}
+    for s, name in enumerate(_CONTEXT_TABLES):
+        m[f"_embedding_collection.embeddings.{name}.weight"] = (f"context.t{s}", False)
+    pre = "_hstu_transducer._input_preprocessor."
+    m[pre + "_batched_contextual_linear_weights"] = ("wc", False)
+    m[pre + "_batched_contextual_linear_bias"] = ("bc", False)
+    for gr, ours in (("_content_embedding_mlp", "content"), ("_action_embedding_mlp", "action")):
+        for k, (name, t) in _TOWER.items():
+            m[f"{pre}{gr}.{k}"] = (f"{ours}.{name}", t)
+    m[pre + "_action_encoder._action_embedding_table"] = ("action_table", False)
+    m[pre + "_action_encoder._target_action_embedding_table"] = ("action_target", False)
+    pe = "_hstu_transducer._positional_encoder."
+    m[pe + "_position_embeddings_weight"] = ("position", False)
+    m[pe + "_timestamp_embeddings_weight"] = ("time", False)
+    for i in range(num_layers):
+        for gr, ours in _STU.items():
+            m[f"_hstu_transducer._stu_module._stu_layers.{i}.{gr}"] = (f"stu.layer{i}.{ours}", False)
+    post = "_hstu_transducer._output_postprocessor."
+    m[post + "_time_feature_combiner.weight"] = ("post.w", True)
+    m[post + "_time_feature_combiner.bias"] = ("post.b", False)
+    m[post + "_layer_norm.weight"] = ("post.ln_w", False)
+    m[post + "_layer_norm.bias"] = ("post.ln_b", False)
+    for k, (name, t) in _TOWER.items():
+        m[f"_item_embedding_mlp.{k}"] = (f"item.{name}", t)
+    task = "_multitask_module._prediction_module."
+    for k, (name, t) in {"0.weight": ("w1", True), "0.bias": ("b1", False), "1.weight": ("sw_w", False),
+                         "1.bias": ("sw_b", False), "2.weight": ("w2", True), "2.bias": ("b2", False)}.items():
+        m[task + k] = (f"task.{name}", t)
+    return m
+
+
+def get_path(tree, path: str):
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+def rel_err(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.abs(b).max(initial=0.0)
+    diff = np.abs(a - b).max(initial=0.0)
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def small_gr_configs(args):
+    """GR's KuaiRand config and tables (its own ``configs.py``), shrunk, dropout off, fp32 tables."""
+    from generative_recommenders.dlrm_v3.configs import get_embedding_table_config, get_hstu_configs
+    from torchrec.modules.embedding_configs import DataType
+
+    hc = get_hstu_configs("kuairand-1k")
+    hc.hstu_num_heads = args.heads
+    hc.hstu_attn_linear_dim = args.dv
+    hc.hstu_attn_qk_dim = args.dqk
+    hc.hstu_attn_num_layers = args.layers
+    hc.hstu_embedding_table_dim = args.embed_dim
+    hc.hstu_transducer_embedding_dim = args.dim
+    hc.hstu_input_dropout_ratio = 0.0
+    hc.hstu_linear_dropout_rate = 0.0
+    hc.max_seq_len = args.max_seq_len
+    hc.max_num_candidates = args.candidates
+    sizes = {"video_id": args.id_table, "user_id": args.id_table}             # the 5 user features keep GR's 8/9/9/8/8
+    tables = {name: dataclasses.replace(t, embedding_dim=args.embed_dim, data_type=DataType.FP32,
+                                        num_embeddings=sizes.get(name, t.num_embeddings))
+              for name, t in get_embedding_table_config("kuairand-1k").items()}
+    return hc, tables
+
+
+def build_gr_model(hc, tables):
+    """``make_model``'s construction (``dlrm_v3/train/utils.py``), on CPU."""
+    import torch
+    from generative_recommenders.common import HammerKernel
+    from generative_recommenders.modules.dlrm_hstu import DlrmHSTU
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    model = DlrmHSTU(hstu_configs=hc, embedding_tables=tables, is_inference=False)
+    # GR creates the collection on `meta` for DistributedModelParallel to materialise; here a CPU one
+    model._embedding_collection = EmbeddingCollection(tables=list(tables.values()), need_indices=False,
+                                                      device=torch.device("cpu"))
+    model.recursive_setattr("_hammer_kernel", HammerKernel.PYTORCH)
+    return model
+
+
+def gr_batch(seqs, users, hc, tables, workdir: Path):
+    """GR's batch of ``users``, through GR's own loader from a processed_seqs.csv we write."""
+    from generative_recommenders.dlrm_v3.datasets.dataset import collate_fn
+    from generative_recommenders.dlrm_v3.datasets.kuairand import DLRMv3KuaiRandDataset
+
+    from gr_functional.data.sources.kuairand_ranking import write_gr_processed
+
+    path = workdir / "processed_seqs.csv"
+    write_gr_processed(seqs, path)
+    ds = DLRMv3KuaiRandDataset(hstu_config=hc, embedding_config=tables, seq_logs_file=str(path), is_inference=False)
+    ds.load_query_samples(list(users))
+    samples = [ds.get_sample(u) for u in users]
+    ds.unload_query_samples(list(users))
+    return collate_fn(samples)
+
+
+def copy_params_into_gr(model, params, pmap):
+    import numpy as np
+    import torch
+
+    named = dict(model.named_parameters())
+    unmapped = sorted(set(named) - set(pmap))
+    missing = sorted(set(pmap) - set(named))
+    if unmapped or missing:
+        raise SystemExit(f"parameter map out of date: GR parameters not mapped {unmapped}; mapped but absent {missing}")
+    with torch.no_grad():
+        for name, (path, t) in pmap.items():
+            v = np.asarray(get_path(params, path))
+            v = v.T if t else v
+            if tuple(named[name].shape) != v.shape:
+                raise SystemExit(f"{name}: GR shape {tuple(named[name].shape)}, ours ({path}) {v.shape}")
+            named[name].copy_(torch.from_numpy(np.ascontiguousarray(v)))
+    return named
+
+
+def run_gr(model, batch):
+    """Training-mode forward (losses exist only there), backward of the summed task losses."""
+    import torch
+
+    captured = {}
+    hook = model._multitask_module._prediction_module.register_forward_hook(
+        lambda mod, inp, out: captured.__setitem__("logits", out.detach().clone()))
+    model.train()
+    model.zero_grad(set_to_none=True)
+    _, _, aux_losses, preds, labels, _ = model(batch.uih_features_kjt, batch.candidates_features_kjt)
+    hook.remove()
+    loss = sum(aux_losses.values())
+    loss.backward()
+    grads = {n: (p.grad.detach().numpy().copy() if p.grad is not None else None) for n, p in model.named_parameters()}
+    return {"logits": captured["logits"].numpy(), "preds": preds.detach().numpy().T, "labels": labels.numpy().T,
+            "losses": {k: float(v.detach()) for k, v in aux_losses.items()}, "loss": float(loss.detach()), "grads": grads}
+
+
+def run_ours(seqs, users, cfg, params, backend: str, dtype: str):
+    """Our model's logits, per-task losses and gradients (no dropout) on the same users."""
+    import numpy as np
+
+    from backends import get_backend
+    from gr_functional.ranking.heads import multitask_loss
+    from gr_functional.ranking.model import make_ranking_batch, ranking_logits
+
+    B = get_backend(backend, dtype=dtype)
+    batch = make_ranking_batch(seqs, list(users), cfg, rng=None)
+    dev = B.asarray_tree(batch)
+
+    def f(p, b):
+        z = ranking_logits(B, p, b, cfg)
+        total, per_task = multitask_loss(B, z, b.labels, b.cand_mask)
+        return total, (z, per_task)
+
+    (loss, (z, per_task)), g = B.value_and_grad(f, has_aux=True)(B.asarray_tree(params), dev)
+    z = B.to_numpy(z)
+    return {"logits": z, "preds": 1.0 / (1.0 + np.exp(-z.astype(np.float64))), "labels": batch.labels,
+            "per_task": B.to_numpy(per_task), "loss": float(loss), "grads": B.to_numpy_tree(g)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gr-src", default=os.environ.get("GR_SRC", "/work/gr_src"))
+    ap.add_argument("--embed-dim", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--dqk", type=int, default=3)
+    ap.add_argument("--dv", type=int, default=4)
+    ap.add_argument("--max-seq-len", type=int, default=46)
+    ap.add_argument("--candidates", type=int, default=5)
+    ap.add_argument("--id-table", type=int, default=97)
+    ap.add_argument("--users", default="", help="user numbers (rows of the sample) in batch order, e.g. 3,1; default all")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--perturb", type=float, default=0.1,
+                    help="noise added to the norm affines and biases GR initialises to 1/0, so they are exercised")
+    ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backends", default="torch", help="our backends to compare, comma-separated (torch, jax)")
+    ap.add_argument("--dtypes", default="float32,float64", help="our dtypes, comma-separated")
+    args = ap.parse_args(argv)
+
+    for p in (str(PROJECT), args.gr_src):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from gr_functional.data.sources import kuairand_ranking as kr
+    from gr_functional.data.sources.kuairand import load_kuairand_log
+    from gr_functional.data.sources.kuairand_features import load_kuairand_features
+    from gr_functional.ranking.model import TASKS, RankingModelConfig, init_ranking_params
+    from gr_functional.tree import tree_map_with_path
+
+    seqs = kr.sequences_from_log(load_kuairand_log(columns=kr.LOG_COLUMNS), load_kuairand_features(kind="user"))
+    users = [int(u) for u in args.users.split(",")] if args.users else list(range(len(seqs.users)))
+    hc, tables = small_gr_configs(args)
+    ctx_tables = tuple(tables[name].num_embeddings for name in _CONTEXT_TABLES)
+    # GR's constants at these dims: action embedding 8, content/action tower 256, item tower and task
+    # head 512, 8192 position and 2048 time buckets (modules/dlrm_hstu.py, preprocessors.py)
+    cfg = RankingModelConfig(embed_dim=args.embed_dim, dim=args.dim, num_layers=args.layers, heads=args.heads,
+                             dqk=args.dqk, dv=args.dv, max_seq_len=args.max_seq_len, num_candidates=args.candidates,
+                             video_table=tables["video_id"].num_embeddings, context_tables=ctx_tables,
+                             input_dropout=0.0, linear_dropout=0.0)
+    params = init_ranking_params(cfg, seed=args.seed)
+    if args.perturb:
+        rng = np.random.default_rng(args.seed + 1)
+
+        def perturb(path, leaf):
+            name = path.rsplit(".", 1)[-1]
+            if name in ("b1", "b2", "b", "bc", "b_uvqk", "ln_b", "sw_b", "gn_b"):
+                return (leaf + args.perturb * rng.standard_normal(leaf.shape)).astype(np.float32)
+            if name in ("ln_w", "sw_w", "gn_w"):
+                return (leaf * (1 + args.perturb * rng.standard_normal(leaf.shape))).astype(np.float32)
+            return leaf
+        params = tree_map_with_path(perturb, params)
+
+    torch.manual_seed(args.seed)
+    model = build_gr_model(hc, tables)
+    pmap = parameter_map(args.layers)
+    copy_params_into_gr(model, params, pmap)
+    with tempfile.TemporaryDirectory() as tmp:
+        batch = gr_batch(seqs, users, hc, tables, Path(tmp))
+    gr = run_gr(model, batch)
+
+    print(f"users {', '.join(str(int(seqs.users[u])) for u in users)}: events {np.diff(seqs.offsets)[users].tolist()}; "
+          f"D={args.dim} E={args.embed_dim} layers={args.layers} heads={args.heads} dqk={args.dqk} dv={args.dv} "
+          f"max_seq_len={args.max_seq_len} candidates={args.candidates}")
+    print(f"GR total loss {gr['loss']:.8f}")
+    worst_all = 0.0
+    for backend, dtype in [(b, d) for b in args.backends.split(",") for d in args.dtypes.split(",")]:
+        try:
+            ours = run_ours(seqs, users, cfg, params, backend, dtype)
+        except (ImportError, ValueError) as exc:            # e.g. jax float64 without JAX_ENABLE_X64
+            if "backend" not in str(exc) and "x64" not in str(exc):
+                raise
+            print(f"\n== ours ({backend}, {dtype}): skipped ({exc})")
+            continue
+        assert np.array_equal(ours["labels"], gr["labels"]), "labels differ: the batches are not the same"
+        rows = [("logits [c, 8]", rel_err(ours["logits"], gr["logits"])),
+                ("preds [c, 8]", rel_err(ours["preds"], gr["preds"])),
+                ("total loss", rel_err(ours["loss"], gr["loss"]))]
+        rows += [(f"loss {t}", rel_err(ours["per_task"][k], gr["losses"][t])) for k, t in enumerate(TASKS)]
+        grad_rows = []
+        for name, (path, t) in pmap.items():
+            g_gr = gr["grads"][name]
+            g = np.asarray(get_path(ours["grads"], path))
+            g = g.T if t else g
+            if g_gr is None:
+                g_gr = np.zeros_like(g)
+            grad_rows.append((f"grad {name}  <- {path}", rel_err(g, g_gr), float(np.abs(g_gr).max())))
+        print(f"\n== ours ({backend}, {dtype}) vs GR (PyTorch kernels, float32); rel err = max|ours - GR| / max|GR|")
+        for label, e in rows:
+            print(f"  {e:10.3e}  {label}")
+        for label, e, scale in grad_rows:
+            print(f"  {e:10.3e}  {label}   (max|GR| {scale:.3e})")
+        worst_fwd = max(e for _, e in rows)
+        worst_grad = max(e for _, e, _ in grad_rows)
+        print(f"  worst ({backend}, {dtype}): forward {worst_fwd:.3e}, gradients {worst_grad:.3e}")
+        worst_all = max(worst_all, worst_fwd, worst_grad)
+    ok = worst_all <= args.tol
+    print(f"\n{'OK' if ok else 'MISMATCH'}: worst relative error {worst_all:.3e} (tolerance {args.tol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
