@@ -230,7 +230,8 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
         mine = xp.where(xp.logical_and(lookup.touched, ok), lookup.rows, xp.zeros_like(lookup.rows))
         params = {**tree_map(keep, new_dense, _dense(params)), TABLE: table}
         state = {**tree_map(keep, new_adam, adam), "rows": rows_state,
-                 "pending": [*pending[1:], {"rows": mine, "grads": grads[TABLE]}]}
+                 # a skipped step's (non-finite) gradient is not kept: every checkpoint stays finite
+                 "pending": [*pending[1:], {"rows": mine, "grads": keep(grads[TABLE], xp.zeros_like(grads[TABLE]))}]}
     else:
         # rows are written back even for a skipped step: fresh rows must hold their initial value
         table = B.set_rows(params[TABLE], lookup.rows, keep(new_rows, old_rows))

@@ -231,9 +231,12 @@ class ShardedTable:
         return (lambda: total(arrived())) if later else total(arrived)
 
     def _settle(self) -> None:
-        """Wait for the gradient exchange still in flight (staleness) and queue its sums."""
+        """Wait for the gradient exchange still in flight (staleness) and queue its sums (zeros
+        for a skipped step: its rows are already dropped and a checkpoint must stay finite)."""
         if self._in_flight is not None:
-            self.pending[-1] = {**self.pending[-1], "grads": self._in_flight()}
+            finish, ok = self._in_flight
+            g = finish()
+            self.pending[-1] = {**self.pending[-1], "grads": self.B.xp.where(ok, g, self.B.xp.zeros_like(g))}
             self._in_flight = None
 
     # ------------------------------------------------------------------ a step
@@ -300,7 +303,7 @@ class ShardedTable:
             self.values = B.set_rows(self.values, due, keep(new, values))
             self.state = rowopt.scatter_state(B, self.state, due, tree_map(keep, new_state, old_state))
             mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
-            self.pending, self._in_flight = [*queue[1:], {"rows": mine, "grads": None}], g
+            self.pending, self._in_flight = [*queue[1:], {"rows": mine, "grads": None}], (g, ok)
             return
         touched = rows > 0
         old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),

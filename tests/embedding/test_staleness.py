@@ -139,3 +139,28 @@ def test_staleness_needs_a_row_sparse_optimizer():
     with pytest.raises(grf.config.ConfigError, match=r"embedding\.staleness"):
         grf.load_config(None, ["embedding.staleness=1"])
     grf.load_config(None, ["embedding.staleness=1", "embedding.optimizer=lazy_adam", "embedding.sharding=row"])
+
+
+def test_a_skipped_step_queues_no_non_finite_gradient(tmp_path, monkeypatch):
+    """A step the guard skips (NaN loss) with k = 2: its row gradient is not queued as NaN, so
+    the next checkpoints are written (they refuse non-finite state) and the run finishes."""
+    from gr_functional import train as train_module
+    from gr_functional.checkpoint import read_checkpoint
+    from gr_functional.runner import train
+
+    calls = [0]
+    real = train_module._loss
+
+    def poisoned(B, params, *args, **kwargs):
+        calls[0] += 1
+        loss, aux = real(B, params, *args, **kwargs)
+        return (loss * float("nan") if calls[0] == 2 else loss), aux
+
+    monkeypatch.setattr(train_module, "_loss", poisoned)
+    cfg = grf.load_config("experiments/configs/quickstart.toml",
+                          [*TINY, "embedding.staleness=2", "train.max_steps=4", "train.checkpoint_every=3",
+                           "train.epochs=1", "eval.max_users=10"])
+    train(cfg, tmp_path / "run", progress=False, resume="never")
+    ck = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.safetensors")
+    assert all(np.isfinite(np.asarray(p["grads"])).all() for p in ck.opt_state["pending"])
+    assert [r["step"] for r in metrics(tmp_path / "run") if r.get("kind") == "skip"] == [2]
