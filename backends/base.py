@@ -335,7 +335,8 @@ class Backend:
         """``out[t, r] = <user[t], q(items[ids[t, r]])>`` where ``q`` is ``quantize_16bit`` with the
         position's scale ``scale[t]`` (> 0; losses.segment_scales gives each jagged segment one):
         user[T, D], items[N, D], ids[T, R] int32, scale[T] -> [T, R]. The negatives a position
-        reads are 16-bit values (half the bytes of the ``[T, R, D]`` gather); gradients reach
+        reads are 16-bit values (the reference and torch gather fp32 rows and round them: the
+        format a sampler would ship in half the bytes, not a saving of this op); gradients reach
         ``items`` straight through and ``user`` through the 16-bit values. Always the row-gather
         formulation (the dense one would need the catalogue rounded once per segment)."""
         xp = self.xp

@@ -292,7 +292,9 @@ class TorchCollective:
         it. Returns ``finish() -> rows received`` (waits). Every rank starts the same exchanges
         in the same order."""
         if self._side is None:
-            self._side = self._run("second process group", lambda: self._dist.new_group(backend=self.backend))
+            timeout = datetime.timedelta(seconds=self.limits.collective_s)    # the main group's last resort
+            self._side = self._run("second process group",
+                                   lambda: self._dist.new_group(backend=self.backend, timeout=timeout))
         return self._all_to_all(x, send_counts, recv_counts, self._side)
 
     def _all_to_all(self, x, send_counts, recv_counts, group):

@@ -23,6 +23,7 @@ import numpy as np
 
 from .common import emit, machine
 
+DEFAULT_CONFIG = "kuairand27k_stream"   # grf bench stream without --config
 COLUMNS = ["step", "tokens_per_s", "host_share", "rss_mb", "peak_rss_mb", "occupancy", "capacity", "inserts",
            "evictions", "hit_rate", "ids_per_step", "unique_per_step", "bytes_before", "bytes_after"]
 
@@ -49,7 +50,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from gr_functional.runner import validate
     from gr_functional.train import init_opt_state, make_train_step
 
-    cfg = cfg or load_config("experiments/configs/kuairand27k_stream.toml")
+    cfg = cfg or load_config(f"experiments/configs/{DEFAULT_CONFIG}.toml")
     if not cfg.model.num_items:  # the hash table holds the rows; the dense table it replaces is a stub
         cfg = replace(cfg, model={"num_items": 1})
     validate(cfg)

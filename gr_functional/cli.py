@@ -215,7 +215,10 @@ def cmd_bench(args) -> int:
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"grf bench: unknown benchmark {args.name!r}; available: {', '.join(BENCHMARKS)}")
-    run = importlib.import_module(BENCHMARKS[args.name]).run
+    module = importlib.import_module(BENCHMARKS[args.name])
+    run = module.run
+    if not args.config and getattr(module, "DEFAULT_CONFIG", None):  # a benchmark with its own preset
+        args.config = module.DEFAULT_CONFIG
     kwargs = {"json_lines": args.json}
     params = inspect.signature(run).parameters
     if "backends" in params:  # speed benchmarks: --backend torch,jax picks backends; --set backend.device=cuda

@@ -141,15 +141,32 @@ def positive_logits(B, user, items, targets, temperature: float):
     return B.xp.sum(user * B.gather_table(items, targets), axis=-1) / temperature
 
 
+SCALE_CHUNK_POSITIONS = 1024  # positions per gather when segment_scales reads rows instead of the table
+
+
+def _position_abs_max(B, items, ids):
+    """``[T]``: the largest |value| of the rows ``ids[T, R]`` names in ``items[N, D]``. One pass
+    over the table when it has at most T x R rows, else only the named rows, a chunk of positions
+    at a time (a large catalogue is never scanned whole). Not differentiated."""
+    xp = B.xp
+    items = B.stop_gradient(items)
+    T, R = ids.shape
+    if items.shape[0] <= T * R:
+        row_max = xp.max(xp.abs(items), axis=1)                                               # [N]
+        return xp.max(xp.reshape(xp.take(row_max, xp.reshape(ids, (-1,))), (T, R)), axis=1)
+    parts = [xp.max(xp.max(xp.abs(B.gather_rows(items, ids[s:s + SCALE_CHUNK_POSITIONS])), axis=2), axis=1)
+             for s in range(0, T, SCALE_CHUNK_POSITIONS)]
+    return xp.concat(parts) if len(parts) > 1 else parts[0]
+
+
 def segment_scales(B, items, ids, layout):
     """``scale[T]``: for each position, the largest |value| among all the negative rows its jagged
     segment (its user sequence) reads, ``items[N, D]`` at ``ids[T, R]`` int32; 1 where that is 0
-    (padding rows, all-zero rows). The 16-bit negatives divide by it, so every segment's rows use
-    the 16-bit range fully whatever the scale of the others (un-normalised tables, long and short
+    (padding rows, all-zero rows). The 16-bit negatives divide by it, so each segment's largest
+    value maps to 1 whatever the scale of the others (un-normalised tables, long and short
     sequences alike); one fp32 per segment is all the extra storage. Not differentiated."""
     xp = B.xp
-    row_max = B.stop_gradient(xp.max(xp.abs(items), axis=1))                                  # [N]
-    pos_max = xp.max(xp.reshape(xp.take(row_max, xp.reshape(ids, (-1,))), tuple(ids.shape)), axis=1)
+    pos_max = _position_abs_max(B, items, ids)                                                # [T]
     cells = xp.take(xp.concat([pos_max, xp.zeros((1,), dtype=pos_max.dtype, device=B.array_device)]),
                     xp.reshape(layout.dense_index, (-1,)))                                     # empty cell -> 0
     seg_max = xp.max(xp.reshape(cells, tuple(layout.dense_index.shape)), axis=1)               # [B]

@@ -88,3 +88,13 @@ def test_report_reads_what_train_wrote(trained, capsys):
     assert row["status"] == "done" and row["epoch"] == result["epoch"]
     for key in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"):
         assert row[key] == result[key], key
+
+
+def test_bench_stream_runs_its_own_preset_without_config(capsys):
+    """`grf bench stream` with no --config trains on the stream with its preset (a hash table),
+    not the default quickstart config (whose dense table it would refuse)."""
+    rc = main(["bench", "stream", "--json", "--set", "train.max_steps=1", "--set", "train.log_every=1",
+               "--set", "model.num_blocks=1", "--set", "train.batch_size=4"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["step"] == 1 and row["capacity"] == 262_144 and row["occupancy"] > 0

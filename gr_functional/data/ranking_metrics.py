@@ -90,8 +90,10 @@ def normalized_entropy(logits, labels, weights=None) -> float:
     """Weighted log loss of ``sigmoid(logits)`` over the entropy of the weighted base rate (NaN
     when the base rate is 0 or 1: the entropy is 0)."""
     logits, labels, w = _check(logits, labels, weights)
-    # -[y log p + (1-y) log(1-p)] = softplus(x) - y x, for p = sigmoid(x)
-    loss = np.logaddexp(0.0, logits) - labels * logits
+    # -log p = softplus(-x) for a positive, -log(1 - p) = softplus(x) for a negative (p = sigmoid(x)):
+    # exact for any x, infinite logits included (a confident right answer costs 0, a wrong one inf)
+    with np.errstate(invalid="ignore"):
+        loss = np.where(labels == 1.0, np.logaddexp(0.0, -logits), np.logaddexp(0.0, logits))
     total = w.sum()
     base = (w * labels).sum() / total if total > 0 else np.nan
     if not 0.0 < base < 1.0:

@@ -64,6 +64,15 @@ class RankingModelConfig:
     def cap(self) -> int:
         return gr_time_bucket_cap(self.dim) if self.time_bucket_cap < 0 else self.time_bucket_cap
 
+    def __post_init__(self):
+        if self.max_history < 1:
+            raise ValueError(f"max_seq_len={self.max_seq_len} leaves no history: it must exceed num_candidates "
+                             f"({self.num_candidates}) + the {self.contextual} contextual tokens")
+        if self.cap > self.time_buckets:
+            raise ValueError(f"time buckets reach {self.cap} (time_bucket_cap, or dim - 1 = {self.dim - 1} as GR's "
+                             f"PyTorch kernel caps them) but the time table has rows 0..time_buckets={self.time_buckets}: "
+                             f"raise time_buckets or set time_bucket_cap <= {self.time_buckets}")
+
 
 def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     """numpy parameters with GR's initialisation (spec section 6.1; GR itself is unseeded)."""
@@ -136,6 +145,8 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     ``rng`` draws the dropout masks (None: evaluation, no dropout). A user needs more events than
     ``num_candidates`` (GR skips the others too)."""
     S, C = cfg.contextual, cfg.num_candidates
+    if len(users) == 0:
+        raise ValueError("make_ranking_batch needs at least one user")
     items, bits, cand_flag, times, lengths, targets = [], [], [], [], [], []
     cand_items, cand_bits, query = [], [], []
     for u in users:

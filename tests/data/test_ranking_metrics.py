@@ -72,6 +72,9 @@ def test_normalized_entropy():
     entropy = -(0.25 * np.log(0.25) + 0.75 * np.log(0.75))
     assert wrong == pytest.approx((30 + 3 * np.log1p(np.exp(-30))) / 4 / entropy, rel=1e-9)
     assert math.isnan(rm.normalized_entropy([0.0, 1.0], [1, 1]))
+    # infinite logits: confident right answers cost nothing, a confident wrong one is infinite
+    assert rm.normalized_entropy([np.inf, -np.inf, -np.inf, -np.inf], labels) == 0.0
+    assert rm.normalized_entropy([-np.inf, -np.inf, -np.inf, -np.inf], labels) == np.inf
 
 
 def test_regression_errors_and_task_metrics():

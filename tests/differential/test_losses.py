@@ -123,12 +123,15 @@ def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sa
         assert abs(analytic - numeric) <= 1e-4 * max(abs(numeric), 1.0), (key, analytic, numeric)
 
 
-def test_segment_scales_are_each_sequences_largest_negative_value(backend):
+@pytest.mark.parametrize("extra_rows", [0, 5000])  # the table scanned once; a large one read by rows
+def test_segment_scales_are_each_sequences_largest_negative_value(backend, extra_rows, monkeypatch):
     """One scale per user sequence: the largest |value| over every row its positions read as
     negatives (items of very different sizes per sequence), 1 on padding positions and where
     every row read is zero."""
+    monkeypatch.setattr(losses, "SCALE_CHUNK_POSITIONS", 7)                  # several chunks
     batch = _batch("sampled", 5)
-    items = np.random.default_rng(1).standard_normal((N_ITEMS + 1, D)).astype(np.float32)
+    items = np.random.default_rng(1).standard_normal((N_ITEMS + 1 + extra_rows, D)).astype(np.float32)
+    items[N_ITEMS + 1:] *= 1000.0                                            # rows nobody reads: never a scale
     ids = np.asarray(batch.negatives).copy()
     offsets = np.asarray(batch.layout.offsets)
     for b, (s, e) in enumerate(zip(offsets[:-1], offsets[1:])):

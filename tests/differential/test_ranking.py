@@ -352,3 +352,15 @@ def test_item_tower_and_task_head_widths_are_gr_constants():
     assert p["item"]["w1"].shape == (8, 512) and p["item"]["w2"].shape == (512, 12)
     assert p["task"]["w1"].shape == (12, 512) and p["task"]["w2"].shape == (512, 8)
     assert p["content"]["w1"].shape == (8, 6) and p["action"]["w1"].shape == (16, 6)   # tower_hidden=6 here
+
+
+def test_ranking_config_and_batch_refuse_what_cannot_work(sample_seqs):
+    from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
+
+    with pytest.raises(ValueError, match="time table has rows 0..time_buckets=4"):
+        RankingModelConfig(**{**SMALL, "time_buckets": 4})                     # GR's cap dim - 1 = 11 > 4
+    RankingModelConfig(**{**SMALL, "time_buckets": 4, "time_bucket_cap": 4})
+    with pytest.raises(ValueError, match="max_seq_len=11 leaves no history"):
+        RankingModelConfig(**{**SMALL, "max_seq_len": 11})
+    with pytest.raises(ValueError, match="at least one user"):
+        make_ranking_batch(sample_seqs, [], RankingModelConfig(**SMALL))
