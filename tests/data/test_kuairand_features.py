@@ -61,3 +61,19 @@ def test_malformed_files_are_refused_naming_the_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(DataError, match=message.replace("(", "\\(").replace("[", "\\[")):
         load_kuairand_features(path, kind="user")
+
+
+def test_column_kinds_are_decided_over_the_whole_file_in_blocks(tmp_path, monkeypatch):
+    """Read 2 rows at a time: a column numeric in the first blocks and text later is categorical
+    with every value in its vocabulary; numbers then id lists make a multi-valued column."""
+    from gr_functional.data.sources import kuairand_features as kf
+
+    monkeypatch.setattr(kf, "BLOCK_ROWS", 2)
+    path = tmp_path / "video.csv"
+    path.write_text('video_id,mixed,tags,num\n0,7,3,1.5\n1,8,4,\n2,x,"5,6",2\n3,7,,3\n4,y,9,4\n')
+    t = kf.load_kuairand_features(path, kind="video")
+    codes, vocab = t.categorical["mixed"]
+    assert vocab == ("7", "8", "x", "y") and [vocab[c - 1] for c in codes] == ["7", "8", "x", "7", "y"]
+    offsets, values = t.multi["tags"]
+    assert [values[offsets[i]:offsets[i + 1]].tolist() for i in range(5)] == [[3], [4], [5, 6], [], [9]]
+    assert np.isnan(t.numeric["num"][1]) and t.numeric["num"][[0, 2, 3, 4]].tolist() == [1.5, 2, 3, 4]

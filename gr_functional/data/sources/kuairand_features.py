@@ -54,23 +54,62 @@ class FeatureTable:
         return (*self.numeric, *self.categorical, *self.multi)
 
 
-def _number(text: str) -> float | None:
+BLOCK_ROWS = 50_000  # rows converted at a time: memory holds the output arrays and one block of text
+
+
+def _is_number(text: str) -> bool:
     try:
-        return float(text)
+        float(text)
+        return True
     except ValueError:
-        return None
+        return False
 
 
-def _int_list(text: str) -> list[int] | None:
-    parts = text.split(",")
-    return [int(p) for p in parts] if all(p.strip().lstrip("-").isdigit() for p in parts) else None
+def _is_int_list(text: str) -> bool:
+    return all(p.strip().lstrip("-").isdigit() for p in text.split(","))
+
+
+def _rows(path: Path, key: str, kind: str):
+    """``(header, iterator of (lineno, row))``, each row checked for width and an integer key."""
+    f = open(path, newline="", encoding="utf-8-sig")
+    reader = csv.reader(f)
+    first = next(reader, None)
+    if not first or key not in [h.strip() for h in first]:
+        f.close()
+        got = ",".join(first) if first else "an empty file"
+        raise DataError(f"{path}:1: a KuaiRand {kind} feature file starts with a header naming {key!r}; got {got!r}")
+    header = [h.strip() for h in first]
+    k = header.index(key)
+
+    def rows():
+        with f:
+            for lineno, row in enumerate(reader, start=2):
+                if len(row) != len(header):
+                    raise DataError(f"{path}:{lineno}: {len(row)} fields, the header has {len(header)}")
+                if not row[k].strip().lstrip("-").isdigit():
+                    raise DataError(f"{path}:{lineno}: {key} {row[k]!r} is not an integer")
+                yield row
+    return header, rows()
+
+
+def _blocks(rows):
+    block = []
+    for row in rows:
+        block.append(row)
+        if len(block) == BLOCK_ROWS:
+            yield block
+            block = []
+    if block:
+        yield block
 
 
 def load_kuairand_features(path: str | Path | None = None, kind: str = "user") -> FeatureTable:
     """Read a KuaiRand user (``kind="user"``, key ``user_id``) or video (``"video"``, key
-    ``video_id``) feature CSV; ``path=None`` reads the registered KuaiRand-Pure file. Raises
-    ``DataError`` naming the file and line for a missing key column, a row of the wrong width,
-    a non-integer or repeated id."""
+    ``video_id``) feature CSV; ``path=None`` reads the registered KuaiRand-Pure file. Two passes
+    over the file, ``BLOCK_ROWS`` rows at a time (the first decides each column's kind and
+    collects categorical vocabularies, the second converts), so a release with millions of
+    videos needs memory for its arrays only. Raises ``DataError`` naming the file and line for a
+    missing key column, a row of the wrong width, a non-integer or repeated id."""
     from ..paths import dataset_path
 
     if kind not in _KEYS:
@@ -78,49 +117,64 @@ def load_kuairand_features(path: str | Path | None = None, kind: str = "user") -
     path = Path(dataset_path(f"kuairand-{kind}-features") if path is None else path)
     key = _KEYS[kind]
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            rows = list(csv.reader(f))
+        header, rows = _rows(path, key, kind)
     except OSError as exc:
         raise DataError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    if not rows or key not in [h.strip() for h in rows[0]]:
-        got = ",".join(rows[0]) if rows else "an empty file"
-        raise DataError(f"{path}:1: a KuaiRand {kind} feature file starts with a header naming {key!r}; got {got!r}")
-    header = [h.strip() for h in rows[0]]
-    body = rows[1:]
-    for lineno, row in enumerate(body, start=2):
-        if len(row) != len(header):
-            raise DataError(f"{path}:{lineno}: {len(row)} fields, the header has {len(header)}")
-    columns = list(zip(*body)) if body else [()] * len(header)
     k = header.index(key)
-    for lineno, v in enumerate(columns[k], start=2):
-        if not v.strip().lstrip("-").isdigit():
-            raise DataError(f"{path}:{lineno}: {key} {v!r} is not an integer")
-    ids = np.array([int(v) for v in columns[k]], np.int64)
-    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    others = [j for j in range(len(header)) if j != k]
+    numeric, multi = {j: True for j in others}, {j: True for j in others}
+    strings = {j: set() for j in others}
+    late = set()                  # columns that looked numeric for a block or more, then did not
+    for b, block in enumerate(_blocks(rows)):                              # pass 1: kinds
+        for j in others:
+            values = {row[j] for row in block} - {""}
+            if numeric[j]:
+                numeric[j] = all(_is_number(v) for v in values)
+                if not numeric[j] and b:
+                    late.add(j)
+            if not numeric[j]:
+                multi[j] = multi[j] and all(_is_int_list(v) for v in values)
+                strings[j] |= values
+    if late:                      # their earlier blocks were not looked at as strings: once more
+        for block in _blocks(_rows(path, key, kind)[1]):
+            for j in late:
+                values = {row[j] for row in block} - {""}
+                multi[j] = multi[j] and all(_is_int_list(v) for v in values)
+                strings[j] |= values
+    vocab = {j: tuple(sorted(strings[j])) for j in others if not numeric[j] and not multi[j]}
+    index = {j: {v: i + 1 for i, v in enumerate(vocab[j])} for j in vocab}
+    ids, cols = [], {j: [] for j in others}
+    for block in _blocks(_rows(path, key, kind)[1]):                       # pass 2: values
+        ids.append(np.array([int(row[k]) for row in block], np.int64))
+        for j in others:
+            values = [row[j] for row in block]
+            if numeric[j]:
+                cols[j].append(np.array([v if v != "" else "nan" for v in values], np.float64))
+            elif j in vocab:
+                cols[j].append(np.array([index[j].get(v, 0) for v in values], np.int64))
+            else:
+                per_row = [[int(x) for x in v.split(",")] if v else [] for v in values]
+                cols[j].append((np.array([len(r) for r in per_row], np.int64),
+                                np.array([x for r in per_row for x in r], np.int64)))
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    uniq, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         dup = uniq[counts > 1][0]
         lines = np.flatnonzero(ids == dup)[:2] + 2
         raise DataError(f"{path}:{lines[1]}: {key} {dup} repeats line {lines[0]}; a feature file has one row per id")
-    numeric, categorical, multi = {}, {}, {}
-    for name, values in zip(header, columns):
-        if name == key:
-            continue
-        filled = [v for v in values if v != ""]
-        numbers = [_number(v) for v in filled]
-        if all(x is not None for x in numbers):
-            numeric[name] = np.array([np.nan if v == "" else float(v) for v in values], np.float64)
-            continue
-        lists = [_int_list(v) for v in filled]
-        if all(x is not None for x in lists):
-            per_row = [[] if v == "" else _int_list(v) for v in values]
-            offsets = np.zeros(len(values) + 1, np.int64)
-            np.cumsum([len(x) for x in per_row], out=offsets[1:])
-            multi[name] = (offsets, np.array([x for r in per_row for x in r], np.int64))
-            continue
-        vocab = tuple(sorted(set(filled)))
-        index = {v: i + 1 for i, v in enumerate(vocab)}
-        categorical[name] = (np.array([index.get(v, 0) for v in values], np.int64), vocab)
-    return FeatureTable(key, ids, numeric, categorical, multi, str(path))
+    table = FeatureTable(key, ids, {}, {}, {}, str(path))
+    for j in others:
+        name = header[j]
+        if numeric[j]:
+            table.numeric[name] = np.concatenate(cols[j]) if cols[j] else np.zeros(0)
+        elif j in vocab:
+            table.categorical[name] = (np.concatenate(cols[j]) if cols[j] else np.zeros(0, np.int64), vocab[j])
+        else:
+            counts_ = np.concatenate([c for c, _ in cols[j]]) if cols[j] else np.zeros(0, np.int64)
+            offsets = np.zeros(len(counts_) + 1, np.int64)
+            np.cumsum(counts_, out=offsets[1:])
+            table.multi[name] = (offsets, np.concatenate([v for _, v in cols[j]]) if cols[j] else np.zeros(0, np.int64))
+    return table
 
 
 register_file(DataFile(
