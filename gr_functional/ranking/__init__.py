@@ -4,7 +4,7 @@ specification, with GR's file and line for each rule): the STU layer (``stu``), 
 time encodings (``encoding``), the input tokens (``tokens``: contextual slots, content and action
 towers, the action bitmask encoder, jagged assembly), the output side (``heads``: timestamp
 postprocessor, multitask head, per-task BCE) and the joined model with its host-side batch
-builder (``model``). Checked against GR's own ``DlrmHSTU`` (forward, losses and every gradient) by
-the developer tool ``tools/gr_ranking_crosscheck.py``. Not yet: hash tables for the 10M-row id
-tables, a training loop and config in ``grf train``, and AUC/GAUC evaluation wired to
-``data.ranking_metrics``."""
+builder and per-task AUC / GAUC / NE evaluation (``model``). Checked against GR's own
+``DlrmHSTU`` (forward, losses and every gradient) by the developer tool
+``tools/gr_ranking_crosscheck.py``. Not yet: hash tables for the 10M-row id tables, a training
+loop and config in ``grf train``."""

@@ -226,3 +226,26 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
 def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     """``(loss, per_task[K])``: GR's sum over tasks of 0.2 x mean BCE."""
     return multitask_loss(B, ranking_logits(B, params, batch, cfg), batch.labels, batch.cand_mask)
+
+
+def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16) -> dict:
+    """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
+    ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
+    ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
+    attention divides by the batch's longest sequence, so a user's logits depend on its batch-mates:
+    ``batch_size`` (GR: 16) is part of the evaluation protocol."""
+    from ..data.ranking_metrics import task_metrics
+
+    logits, labels, owners = [], [], []
+    score = B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
+    for s in range(0, len(users), batch_size):
+        chunk = list(users[s:s + batch_size])
+        batch = make_ranking_batch(seqs, chunk, cfg)
+        logits.append(B.to_numpy(score(params, B.asarray_tree(batch))))
+        labels.append(batch.labels)
+        owners.append(np.repeat(np.asarray(seqs.users)[chunk], cfg.num_candidates))
+    names = TASKS[:len(cfg.action_weights)]
+    out = task_metrics(np.concatenate(logits), np.concatenate(labels), np.concatenate(owners),
+                       [(name, "binary") for name in names])
+    out["candidates"] = int(sum(len(x) for x in labels))
+    return out

@@ -364,3 +364,25 @@ def test_ranking_config_and_batch_refuse_what_cannot_work(sample_seqs):
         RankingModelConfig(**{**SMALL, "max_seq_len": 11})
     with pytest.raises(ValueError, match="at least one user"):
         make_ranking_batch(sample_seqs, [], RankingModelConfig(**SMALL))
+
+
+def test_evaluate_ranking_reports_auc_and_gauc_per_task(sample_seqs):
+    """Metrics over batches of users equal the metrics of the logits of one batch of all users."""
+    from gr_functional.data.ranking_metrics import auc, gauc
+    from gr_functional.ranking.model import (TASKS, RankingModelConfig, evaluate_ranking, init_ranking_params,
+                                             make_ranking_batch, ranking_logits)
+
+    B = get_backend("torch")
+    cfg = RankingModelConfig(**SMALL)
+    params = B.asarray_tree(init_ranking_params(cfg, seed=3))
+    got = evaluate_ranking(B, params, sample_seqs, [0, 1, 2, 3], cfg, batch_size=3)
+    whole = make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg)
+    z = B.to_numpy(ranking_logits(B, params, B.asarray_tree(whole), cfg))
+    users = np.repeat(np.asarray(sample_seqs.users), 5)
+    assert got["candidates"] == 20 and set(got) == set(TASKS) | {"candidates"}
+    for k, task in enumerate(TASKS):
+        want = auc(z[:, k], whole.labels[:, k])
+        assert (np.isnan(want) and np.isnan(got[task]["auc"])) or abs(got[task]["auc"] - want) <= 1e-6, task
+        g, n = gauc(z[:, k], whole.labels[:, k], users)
+        assert got[task]["gauc_users"] == n and ((np.isnan(g) and np.isnan(got[task]["gauc"])) or abs(got[task]["gauc"] - g) <= 1e-6)
+    assert not np.isnan(got["is_click"]["auc"])                                 # the sample has clicks and non-clicks
