@@ -87,6 +87,14 @@ def parameter_map(num_layers: int) -> dict[str, tuple[str, bool]]:
     return m
 
 
+def with_feature_tables(tree: dict, cfg) -> dict:
+    """``tree`` (our params or gradients) plus per-feature views of its (possibly merged) id
+    tables under ``video`` and ``context.t0..t5``, the paths the parameter map names."""
+    from gr_functional.ranking.model import feature_tables
+
+    return {**tree, **feature_tables(tree["tables"], cfg)}
+
+
 def get_path(tree, path: str):
     for part in path.split("."):
         tree = tree[part]
@@ -167,7 +175,7 @@ def copy_params_into_gr(model, params, pmap):
         raise SystemExit(f"parameter map out of date: GR parameters not mapped {unmapped}; mapped but absent {missing}")
     with torch.no_grad():
         for name, (path, t) in pmap.items():
-            v = np.asarray(get_path(params, path))
+            v = np.asarray(get_path(params, path))   # params: with per-feature table views (feature_tables)
             v = v.T if t else v
             if tuple(named[name].shape) != v.shape:
                 raise SystemExit(f"{name}: GR shape {tuple(named[name].shape)}, ours ({path}) {v.shape}")
@@ -213,7 +221,7 @@ def run_ours(seqs, users, cfg, params, backend: str, dtype: str):
     (loss, (z, per_task)), g = B.value_and_grad(f, has_aux=True)(B.asarray_tree(params), dev)
     z = B.to_numpy(z)
     return {"logits": z, "preds": 1.0 / (1.0 + np.exp(-z.astype(np.float64))), "labels": batch.labels,
-            "per_task": B.to_numpy(per_task), "loss": float(loss), "grads": B.to_numpy_tree(g)}
+            "per_task": B.to_numpy(per_task), "loss": float(loss), "grads": with_feature_tables(B.to_numpy_tree(g), cfg)}
 
 
 def main(argv=None) -> int:
@@ -277,7 +285,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = build_gr_model(hc, tables)
     pmap = parameter_map(args.layers)
-    copy_params_into_gr(model, params, pmap)
+    copy_params_into_gr(model, with_feature_tables(params, cfg), pmap)
     with tempfile.TemporaryDirectory() as tmp:
         batch = gr_batch(seqs, users, hc, tables, Path(tmp))
     gr = run_gr(model, batch)

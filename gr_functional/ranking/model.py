@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..data.sources.kuairand_ranking import CONTEXT_FEATURES
+from ..embedding.collection import FeatureSpec, plan_tables
 from ..jagged import Jagged
 from .encoding import add_position_time, gr_time_bucket_cap, position_indices, time_buckets
 from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
@@ -41,6 +42,10 @@ class RankingModelConfig:
     num_candidates: int = 10
     video_table: int = 10_000_000
     context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
+    # The 7 id features (video_id, user_id, 5 user features) are all embed_dim wide: with
+    # merge_tables they share one physical table (id spaces at row offsets), one gather per step
+    # instead of one per feature (MTGRBoost's table merging; embedding/collection.py plans it).
+    merge_tables: bool = True
     action_dim: int = 8
     action_weights: tuple[int, ...] = ACTION_WEIGHTS
     tower_hidden: int = 256              # content and action towers (GR: the constant 256)
@@ -74,6 +79,32 @@ class RankingModelConfig:
                              f"raise time_buckets or set time_bucket_cap <= {self.time_buckets}")
 
 
+ID_FEATURES = ("video_id", "user_id") + tuple(CONTEXT_FEATURES)
+
+
+def table_plan(cfg: RankingModelConfig) -> list:
+    """The physical tables of the id features (``collection.plan_tables``): one when
+    ``merge_tables``, else one per feature. ``len(table_plan(cfg))`` is the gathers per step."""
+    sizes = (cfg.video_table,) + tuple(cfg.context_tables)
+    return plan_tables([FeatureSpec(name, cfg.embed_dim, "dense", num_ids=n) for name, n in zip(ID_FEATURES, sizes)],
+                       merge=cfg.merge_tables)
+
+
+def _feature_rows(cfg: RankingModelConfig):
+    """feature -> (table name, row of id 0): id x (GR's 0-based, already modulo the feature's
+    size) lives at row ``start + x`` of its table (row 0 of every table is padding)."""
+    return {f: (g.name, g.offsets[f] + 1) for g in table_plan(cfg) for f in g.features}
+
+
+def feature_tables(tables: dict, cfg: RankingModelConfig) -> dict:
+    """Per-feature views of ``tables`` (params["tables"], or its gradient): ``{"video": [n, E],
+    "context": {"t0": ..., "t5": ...}}`` in GR's 0-based id order (for comparisons with GR)."""
+    sizes = dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
+    rows = _feature_rows(cfg)
+    view = {f: tables[rows[f][0]][rows[f][1]:rows[f][1] + sizes[f]] for f in ID_FEATURES}
+    return {"video": view["video_id"], "context": {f"t{s}": view[f] for s, f in enumerate(ID_FEATURES[1:])}}
+
+
 def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     """numpy parameters with GR's initialisation (spec section 6.1; GR itself is unseeded)."""
     rng = np.random.default_rng(seed)
@@ -87,9 +118,7 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     item = init_tower(E, Hi, D, rng)
     item["w1"], item["w2"] = xavier_uniform((E, Hi)), xavier_uniform((Hi, D))     # not re-initialised in GR
     return {
-        "video": rng.uniform(-1, 1, (cfg.video_table, E)).astype(np.float32) / math.sqrt(cfg.video_table),
-        "context": {f"t{s}": rng.uniform(-1, 1, (n, E)).astype(np.float32) / math.sqrt(n)
-                    for s, n in enumerate(cfg.context_tables)},
+        "tables": _init_tables(cfg, rng),
         "wc": (rng.standard_normal((cfg.contextual, E, D)) * math.sqrt(2.0 / (E + D))).astype(np.float32),
         "bc": np.zeros((cfg.contextual, D), np.float32),
         "content": init_tower(E, cfg.tower_hidden, D, rng),
@@ -107,14 +136,29 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     }
 
 
+def _init_tables(cfg: RankingModelConfig, rng: np.random.Generator) -> dict:
+    """GR's embedding init, U(+-sqrt(1/n)) per feature of n ids, laid out as ``table_plan``
+    says (row 0 of each table zero); the same values whether merged or not."""
+    sizes = dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
+    values = {f: rng.uniform(-1, 1, (n, cfg.embed_dim)).astype(np.float32) / math.sqrt(n) for f, n in sizes.items()}
+    out = {}
+    for g in table_plan(cfg):
+        t = np.zeros((g.rows, cfg.embed_dim), np.float32)
+        for f in g.features:
+            t[g.offsets[f] + 1:g.offsets[f] + 1 + sizes[f]] = values[f]
+        out[g.name] = t
+    return out
+
+
 @dataclasses.dataclass
 class RankingBatch:
     """Host arrays of one batch (``B.asarray_tree`` moves them). ``n`` item tokens (history and
     candidates, user after user), ``c`` candidates, ``T`` tokens in all, capacities padded:
 
       layout            Jagged over the T tokens (max_len = the batch's longest sequence: GR's N)
-      item_ids[n]       video table rows;  bitmask[n] action bits (0 for candidates);  is_cand[n, 1]
-      ctx_ids[B, S]     each contextual feature's table row
+      item_ids[n]       rows of video ids in their table (``table_plan``);  bitmask[n] action bits
+                        (0 for candidates);  is_cand[n, 1]
+      ctx_ids[B, S]     each contextual feature's row in its table
       source[T]         ``tokens.assemble`` index;  pos_idx[T], time_idx[T]
       num_targets[B]    candidates per user
       cand_rows[c]      each candidate's token row;  cand_items[c] its video row
@@ -174,6 +218,9 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     t_cap = layout.t_cap
     ctx = np.stack([np.concatenate([[seqs.users[u]], [seqs.context[name][u] for name in CONTEXT_FEATURES]])
                     for u in users]) % np.asarray(cfg.context_tables)
+    starts = _feature_rows(cfg)
+    ctx = ctx + np.asarray([starts[f][1] for f in ID_FEATURES[1:]])                 # rows of their tables
+    video_start = starts["video_id"][1]
     cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(B_cap)])
     timestamps = np.concatenate(times)
 
@@ -189,26 +236,49 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         keep_input, keep_layers = keep_input.astype(np.float32), keep_layers.astype(np.float32)
     item_lengths = [l - S for l in lengths]
     return RankingBatch(
-        layout=layout, item_ids=np.concatenate(items).astype(np.int32), bitmask=np.concatenate(bits).astype(np.int32),
+        layout=layout, item_ids=(np.concatenate(items) + video_start).astype(np.int32), bitmask=np.concatenate(bits).astype(np.int32),
         is_cand=np.concatenate(cand_flag).astype(np.float32)[:, None], ctx_ids=ctx.astype(np.int32),
         source=assembly_index(B_cap, S, item_lengths, t_cap),
         pos_idx=pad(position_indices(lengths, targets, S, cfg.position_buckets), t_cap).astype(np.int32),
         time_idx=pad(time_buckets(timestamps, offsets, cfg.cap), t_cap).astype(np.int32),
         num_targets=np.asarray(targets, np.int32), cand_rows=cand_rows.astype(np.int32),
-        cand_items=np.concatenate(cand_items).astype(np.int32),
+        cand_items=(np.concatenate(cand_items) + video_start).astype(np.int32),
         cand_feats=time_features(np.concatenate(query)), labels=task_labels(np.concatenate(cand_bits), cfg.action_weights),
         cand_mask=np.ones(len(cand_rows), np.float32), keep_input=keep_input, keep_layers=keep_layers)
+
+
+def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> dict:
+    """Every id embedding of the batch with ONE gather per physical table: ``{"items": [n, E],
+    "candidates": [c, E], "context": [B, S, E]}``."""
+    xp = B.xp
+    S = batch.ctx_ids.shape[1]
+    where = _feature_rows(cfg)
+    wanted = {name: [] for name in tables}                       # table -> [(key, rows[k])]
+    wanted[where["video_id"][0]] += [("items", batch.item_ids), ("candidates", batch.cand_items)]
+    for s, f in enumerate(ID_FEATURES[1:]):
+        wanted[where[f][0]].append((f"ctx{s}", batch.ctx_ids[:, s]))
+    got = {}
+    for name, parts in wanted.items():
+        if not parts:
+            continue
+        rows = B.gather_table(tables[name], xp.concat([r for _, r in parts]) if len(parts) > 1 else parts[0][1])
+        start = 0
+        for key, r in parts:
+            got[key] = rows[start:start + r.shape[0]]
+            start += r.shape[0]
+    return {"items": got["items"], "candidates": got["candidates"],
+            "context": xp.stack([got[f"ctx{s}"] for s in range(S)], axis=1)}
 
 
 def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     """``[c, K]`` logits of every candidate and task."""
     xp = B.xp
-    item_emb = B.gather_table(params["video"], batch.item_ids)
+    emb = _lookup(B, params["tables"], batch, cfg)
+    item_emb = emb["items"]
     acts = action_bits(B, params["action_table"], batch.bitmask, cfg.action_weights)
     acts = acts * (1.0 - batch.is_cand) + params["action_target"] * batch.is_cand
     items = tower(B, params["content"], item_emb) + tower(B, params["action"], acts)
-    ctx_emb = xp.stack([B.gather_table(params["context"][f"t{s}"], batch.ctx_ids[:, s])
-                        for s in range(cfg.contextual)], axis=1)                               # [B, S, E]
+    ctx_emb = emb["context"]                                                                   # [B, S, E]
     tok = assemble(B, contextual_tokens(B, ctx_emb, params["wc"], params["bc"]), items, batch.source)
     x = add_position_time(B, tok, batch.pos_idx, batch.time_idx, params["position"], params["time"])
     if batch.keep_input is not None:
@@ -219,7 +289,7 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
                       cfg.heads, cfg.dqk, keep)
     x_cand = B.gather_rows(x, batch.cand_rows)
     user = postprocess(B, params["post"], x_cand, batch.cand_feats)
-    item = tower(B, params["item"], B.gather_table(params["video"], batch.cand_items))
+    item = tower(B, params["item"], emb["candidates"])
     return multitask_logits(B, params["task"], user, item)
 
 

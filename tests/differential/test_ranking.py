@@ -295,8 +295,9 @@ def test_ranking_batch_of_the_log_sample(sample_seqs):
     hist = np.minimum(counts - 5, 35)
     assert np.diff(b.layout.offsets).tolist()[:4] == (6 + hist + 5).tolist()
     seq0 = sample_seqs.sequence(0)
-    assert b.item_ids[:35].tolist() == (seq0["video_id"][:35] % 97).tolist()          # the OLDEST 35 kept
-    assert b.item_ids[35:40].tolist() == (seq0["video_id"][-5:] % 97).tolist()        # the last 5: candidates
+    start = 1                                                               # video ids: rows 1..97 of the merged table
+    assert b.item_ids[:35].tolist() == (seq0["video_id"][:35] % 97 + start).tolist()  # the OLDEST 35 kept
+    assert b.item_ids[35:40].tolist() == (seq0["video_id"][-5:] % 97 + start).tolist()  # the last 5: candidates
     bits = seq0["action_weights"][-5:]
     assert b.labels[:5].tolist() == [[float(m & w > 0) for w in (1, 2, 4, 8, 16, 32, 64, 128)] for m in bits]
     assert b.bitmask[35:40].tolist() == [0] * 5 and b.is_cand[35:40, 0].tolist() == [1.0] * 5
@@ -305,7 +306,7 @@ def test_ranking_batch_of_the_log_sample(sample_seqs):
     q = seq0["time_ms"][:35].max()
     assert b.time_idx[6 + 35] == 0 and b.time_idx[0] == cfg.cap                      # candidates: age 0; context: capped
     assert min(int(np.sqrt(np.float32(q - seq0["time_ms"][0]) / np.float32(60))), cfg.cap) == b.time_idx[6]
-    assert b.ctx_ids[:, 0].tolist() == [0, 1, 2, 3]
+    assert b.ctx_ids[:, 0].tolist() == [98, 99, 100, 101]                    # user ids 0..3 after the 97 video rows
 
 
 def test_ranking_model_agrees_across_backends_and_learns(sample_seqs):
@@ -386,3 +387,27 @@ def test_evaluate_ranking_reports_auc_and_gauc_per_task(sample_seqs):
         g, n = gauc(z[:, k], whole.labels[:, k], users)
         assert got[task]["gauc_users"] == n and ((np.isnan(g) and np.isnan(got[task]["gauc"])) or abs(got[task]["gauc"] - g) <= 1e-6)
     assert not np.isnan(got["is_click"]["auc"])                                 # the sample has clicks and non-clicks
+
+
+def test_merged_tables_are_one_gather_and_change_nothing(sample_seqs):
+    """The 7 id features in one physical table (default) or one table each: the same logits and
+    per-feature gradients (same initial values); 1 gather per step instead of 7."""
+    from gr_functional.ranking.model import (RankingModelConfig, feature_tables, init_ranking_params,
+                                             make_ranking_batch, ranking_loss, table_plan)
+
+    B = get_backend("torch")
+    out = {}
+    for merge in (True, False):
+        cfg = RankingModelConfig(**SMALL, merge_tables=merge)
+        batch = B.asarray_tree(make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg))
+        params = B.asarray_tree(init_ranking_params(cfg, seed=0))
+        (loss, _), g = B.value_and_grad(lambda p, b: ranking_loss(B, p, b, cfg), has_aux=True)(params, batch)
+        out[merge] = (len(table_plan(cfg)), float(loss), B.to_numpy_tree(feature_tables(g["tables"], cfg)),
+                      B.to_numpy_tree(feature_tables(params["tables"], cfg)))
+    assert out[True][0] == 1 and out[False][0] == 7
+    assert abs(out[True][1] - out[False][1]) <= 1e-6 * abs(out[False][1])
+    from gr_functional.tree import tree_leaves
+    for a, b in zip(tree_leaves(out[True][3]), tree_leaves(out[False][3])):
+        np.testing.assert_array_equal(a, b)                                   # the same initial rows
+    for a, b in zip(tree_leaves(out[True][2]), tree_leaves(out[False][2])):
+        assert rel_err(a, b) <= 1e-6
