@@ -185,6 +185,11 @@ SAMPLED_LOGITS_CHUNK_ROWS = 1024
 _FUNCTIONS: dict = {}
 
 
+def _row_chunks(n: int) -> list[slice]:
+    """The ``SAMPLED_LOGITS_CHUNK_ROWS``-row blocks the chunked loss ops work through."""
+    return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
+
+
 def _chunked_sampled_logits(torch):
     """``autograd.Function`` computing ``out[t, r] = <user[t], items[ids[t, r]]>`` on
     ``SAMPLED_LOGITS_CHUNK_ROWS`` rows at a time, in one of the reference's two formulations.
@@ -204,8 +209,6 @@ def _chunked_sampled_logits(torch):
     if "sampled_logits" in _FUNCTIONS:
         return _FUNCTIONS["sampled_logits"].apply
 
-    def chunks(n):
-        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
 
     class ChunkedSampledLogits(torch.autograd.Function):
         @staticmethod
@@ -214,7 +217,7 @@ def _chunked_sampled_logits(torch):
             ctx.dense = dense
             out = user.new_empty(ids.shape)
             items_t = items.t()
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 if dense:
                     torch.gather(user[rows] @ items_t, 1, ids[rows], out=out[rows])
                 else:
@@ -230,7 +233,7 @@ def _chunked_sampled_logits(torch):
             d_items = torch.zeros(items.shape, dtype=acc, device=items.device)
             items_acc = items.to(acc)
             block = None
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 g, u = grad[rows].to(acc), user[rows].to(acc)
                 if ctx.dense:
                     if block is None:
@@ -260,8 +263,6 @@ def _chunked_sampled_logits_16bit(torch):
     if "sampled_logits_16bit" in _FUNCTIONS:
         return _FUNCTIONS["sampled_logits_16bit"].apply
 
-    def chunks(n):
-        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
 
     def rounded(items, ids_c, scale_c, low, acc):                                       # [c, R, D]
         # in place: one [c, R, D] array at the accumulation width and its 16-bit copy alive at once
@@ -276,7 +277,7 @@ def _chunked_sampled_logits_16bit(torch):
             ctx.low = low
             acc = torch.float32 if user.dtype in (torch.bfloat16, torch.float16) else user.dtype
             out = user.new_empty(ids.shape)
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 q = rounded(items, ids[rows], scale[rows], low, acc)
                 out[rows] = torch.bmm(q, user[rows].to(acc).unsqueeze(-1)).squeeze(-1).to(out.dtype)
             return out
@@ -287,7 +288,7 @@ def _chunked_sampled_logits_16bit(torch):
             acc = torch.float32 if user.dtype in (torch.bfloat16, torch.float16) else user.dtype
             d_user = torch.empty_like(user)
             d_items = torch.zeros(items.shape, dtype=acc, device=items.device)
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 g, u = grad[rows].to(acc), user[rows].to(acc)
                 q = rounded(items, ids[rows], scale[rows], ctx.low, acc)
                 d_user[rows] = torch.bmm(g.unsqueeze(1), q).squeeze(1).to(user.dtype)
@@ -310,8 +311,6 @@ def _chunked_shared_logsumexp(torch):
     if "shared_logsumexp" in _FUNCTIONS:
         return _FUNCTIONS["shared_logsumexp"].apply
 
-    def chunks(n):
-        return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
 
     def acc_dtype(x):
         return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
@@ -327,7 +326,7 @@ def _chunked_shared_logsumexp(torch):
             acc = acc_dtype(user)
             neg_t, bias, pos_a = neg_items.to(acc).t(), neg_bias.to(acc), pos.to(acc)
             lse = torch.empty(user.shape[0], dtype=acc, device=user.device)
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 logits, _ = block(user[rows].to(acc), neg_t, neg_ids, targets[rows], bias, scale, masked_logit)
                 m = torch.maximum(logits.amax(dim=1), pos_a[rows])
                 total = torch.exp(logits - m.unsqueeze(1)).sum(dim=1) + torch.exp(pos_a[rows] - m)
@@ -345,7 +344,7 @@ def _chunked_shared_logsumexp(torch):
             d_user = torch.empty_like(user)
             d_neg = torch.zeros(neg_items.shape, dtype=acc, device=user.device)
             d_bias = torch.zeros(neg_bias.shape, dtype=acc, device=user.device)
-            for rows in chunks(user.shape[0]):
+            for rows in _row_chunks(user.shape[0]):
                 u = user[rows].to(acc)
                 logits, hit = block(u, neg_t, neg_ids, targets[rows], bias, scale, ctx.masked_logit)
                 gp = torch.exp(logits - lse[rows].unsqueeze(1)).masked_fill_(hit, 0.0).mul_(g_all[rows].unsqueeze(1))

@@ -37,6 +37,18 @@ def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tu
     return shapes
 
 
+def xavier_normal(rng: np.random.Generator, shape, fans: tuple[int, int] | None = None) -> np.ndarray:
+    """float32 N(0, 2 / (fan_in + fan_out)); fans default to ``shape[:2]``."""
+    fan_in, fan_out = fans or shape[:2]
+    return (rng.standard_normal(shape) * math.sqrt(2.0 / (fan_in + fan_out))).astype(np.float32)
+
+
+def xavier_uniform(rng: np.random.Generator, shape) -> np.ndarray:
+    """float32 U(+-sqrt(6 / (fan_in + fan_out))) of a ``[fan_in, fan_out]`` matrix."""
+    a = math.sqrt(6.0 / (shape[0] + shape[1]))
+    return rng.uniform(-a, a, shape).astype(np.float32)
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -> dict:
     """Parameters as a nested dict of numpy float32 arrays, identical on every backend.
 
@@ -60,21 +72,13 @@ def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -
             bad = np.abs(x) > 2.0
         return (x * std).astype(np.float32)
 
-    def xavier_normal(shape):
-        std = math.sqrt(2.0 / (shape[0] + shape[1]))
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def xavier_uniform(shape):
-        a = math.sqrt(6.0 / (shape[0] + shape[1]))
-        return rng.uniform(-a, a, shape).astype(np.float32)
-
     item_emb = trunc_normal((n_items + 1, D), 0.02)
     item_emb[0] = 0.0
-    params = {"item_emb": item_emb, "pos_emb": xavier_normal((n + 1, D)), "blocks": []}
+    params = {"item_emb": item_emb, "pos_emb": xavier_normal(rng, (n + 1, D)), "blocks": []}
     for _ in range(cfg.num_blocks):
         block = {
             "w_uvqk": (rng.standard_normal((D, sum(cfg.uvqk_splits))) * 0.02).astype(np.float32),
-            "w_o": xavier_uniform((hv, D)),
+            "w_o": xavier_uniform(rng, (hv, D)),
             "b_o": rng.uniform(-1 / math.sqrt(hv), 1 / math.sqrt(hv), (D,)).astype(np.float32),
         }
         if cfg.pos_bias:

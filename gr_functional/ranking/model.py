@@ -11,6 +11,7 @@ modulo their sizes (GR's ``process_and_hash_x``). Dense tables only so far; the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from ..data.sources.kuairand_ranking import CONTEXT_FEATURES
 from ..embedding.collection import FeatureSpec, plan_tables
 from ..jagged import Jagged
+from ..model import xavier_normal, xavier_uniform
 from .encoding import add_position_time, gr_time_bucket_cap, position_indices, time_buckets
 from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
 from .stu import init_stu_params, stu_layer
@@ -82,11 +84,16 @@ class RankingModelConfig:
 ID_FEATURES = ("video_id", "user_id") + tuple(CONTEXT_FEATURES)
 
 
+def _feature_sizes(cfg: RankingModelConfig) -> dict:
+    """id feature -> its number of ids (GR's table size)."""
+    return dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
+
+
+@functools.lru_cache(maxsize=None)  # the config is frozen: planned once, not at every forward
 def table_plan(cfg: RankingModelConfig) -> list:
     """The physical tables of the id features (``collection.plan_tables``): one when
     ``merge_tables``, else one per feature. ``len(table_plan(cfg))`` is the gathers per step."""
-    sizes = (cfg.video_table,) + tuple(cfg.context_tables)
-    return plan_tables([FeatureSpec(name, cfg.embed_dim, "dense", num_ids=n) for name, n in zip(ID_FEATURES, sizes)],
+    return plan_tables([FeatureSpec(name, cfg.embed_dim, "dense", num_ids=n) for name, n in _feature_sizes(cfg).items()],
                        merge=cfg.merge_tables)
 
 
@@ -99,7 +106,7 @@ def _feature_rows(cfg: RankingModelConfig):
 def feature_tables(tables: dict, cfg: RankingModelConfig) -> dict:
     """Per-feature views of ``tables`` (params["tables"], or its gradient): ``{"video": [n, E],
     "context": {"t0": ..., "t5": ...}}`` in GR's 0-based id order (for comparisons with GR)."""
-    sizes = dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
+    sizes = _feature_sizes(cfg)
     rows = _feature_rows(cfg)
     view = {f: tables[rows[f][0]][rows[f][1]:rows[f][1] + sizes[f]] for f in ID_FEATURES}
     return {"video": view["video_id"], "context": {f"t{s}": view[f] for s, f in enumerate(ID_FEATURES[1:])}}
@@ -110,16 +117,12 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     E, D, K = cfg.embed_dim, cfg.dim, len(cfg.action_weights)
 
-    def xavier_uniform(shape):
-        b = math.sqrt(6.0 / (shape[0] + shape[1]))
-        return rng.uniform(-b, b, shape).astype(np.float32)
-
     Hi, Ht = cfg.item_hidden, cfg.task_hidden
     item = init_tower(E, Hi, D, rng)
-    item["w1"], item["w2"] = xavier_uniform((E, Hi)), xavier_uniform((Hi, D))     # not re-initialised in GR
+    item["w1"], item["w2"] = xavier_uniform(rng, (E, Hi)), xavier_uniform(rng, (Hi, D))     # not re-initialised in GR
     return {
         "tables": _init_tables(cfg, rng),
-        "wc": (rng.standard_normal((cfg.contextual, E, D)) * math.sqrt(2.0 / (E + D))).astype(np.float32),
+        "wc": xavier_normal(rng, (cfg.contextual, E, D), fans=(E, D)),
         "bc": np.zeros((cfg.contextual, D), np.float32),
         "content": init_tower(E, cfg.tower_hidden, D, rng),
         "action": init_tower(K * cfg.action_dim, cfg.tower_hidden, D, rng),
@@ -128,18 +131,18 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
         "position": rng.uniform(-1, 1, (cfg.position_buckets, D)).astype(np.float32) * math.sqrt(1.0 / cfg.position_buckets),
         "time": rng.uniform(-1, 1, (cfg.time_buckets + 1, D)).astype(np.float32) * math.sqrt(1.0 / cfg.time_buckets),
         "stu": {f"layer{i}": init_stu_params(D, cfg.heads, cfg.dqk, cfg.dv, rng) for i in range(cfg.num_layers)},
-        "post": {"w": (rng.standard_normal((D + 4, D)) * math.sqrt(2.0 / (2 * D + 4))).astype(np.float32),
+        "post": {"w": xavier_normal(rng, (D + 4, D)),
                  "b": np.zeros(D, np.float32), "ln_w": np.ones(D, np.float32), "ln_b": np.zeros(D, np.float32)},
         "item": item,
-        "task": {"w1": xavier_uniform((D, Ht)), "b1": np.zeros(Ht, np.float32), "sw_w": np.ones(Ht, np.float32),
-                 "sw_b": np.zeros(Ht, np.float32), "w2": xavier_uniform((Ht, K)), "b2": np.zeros(K, np.float32)},
+        "task": {"w1": xavier_uniform(rng, (D, Ht)), "b1": np.zeros(Ht, np.float32), "sw_w": np.ones(Ht, np.float32),
+                 "sw_b": np.zeros(Ht, np.float32), "w2": xavier_uniform(rng, (Ht, K)), "b2": np.zeros(K, np.float32)},
     }
 
 
 def _init_tables(cfg: RankingModelConfig, rng: np.random.Generator) -> dict:
     """GR's embedding init, U(+-sqrt(1/n)) per feature of n ids, laid out as ``table_plan``
     says (row 0 of each table zero); the same values whether merged or not."""
-    sizes = dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
+    sizes = _feature_sizes(cfg)
     values = {f: rng.uniform(-1, 1, (n, cfg.embed_dim)).astype(np.float32) / math.sqrt(n) for f, n in sizes.items()}
     out = {}
     for g in table_plan(cfg):

@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from ..model import xavier_uniform
+
 EPS = 1e-6
 
 
@@ -31,15 +33,11 @@ def stu_param_shapes(dim: int, heads: int, dqk: int, dv: int) -> dict[str, tuple
 
 def init_stu_params(dim: int, heads: int, dqk: int, dv: int, rng: np.random.Generator) -> dict:
     """GR's initialisation (spec section 6.1): xavier-uniform projections, zero bias, unit norms."""
-    def xavier_uniform(shape):
-        bound = math.sqrt(6.0 / (shape[0] + shape[1]))
-        return rng.uniform(-bound, bound, shape).astype(np.float32)
-
     shapes = stu_param_shapes(dim, heads, dqk, dv)
     return {"ln_w": np.ones(shapes["ln_w"], np.float32), "ln_b": np.zeros(shapes["ln_b"], np.float32),
-            "w_uvqk": xavier_uniform(shapes["w_uvqk"]), "b_uvqk": np.zeros(shapes["b_uvqk"], np.float32),
+            "w_uvqk": xavier_uniform(rng, shapes["w_uvqk"]), "b_uvqk": np.zeros(shapes["b_uvqk"], np.float32),
             "gn_w": np.ones(shapes["gn_w"], np.float32), "gn_b": np.zeros(shapes["gn_b"], np.float32),
-            "w_out": xavier_uniform(shapes["w_out"])}
+            "w_out": xavier_uniform(rng, shapes["w_out"])}
 
 
 def stu_layer(B, p: dict, x, layout, num_targets, norm_len: int, heads: int, dqk: int, keep=None):

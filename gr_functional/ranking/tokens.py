@@ -15,9 +15,9 @@ learned ``[K * A]`` vector every candidate reads instead.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from ..model import xavier_normal
 
 LN_EPS = 1e-5
 
@@ -41,12 +41,9 @@ def tower(B, p: dict, x):
 def init_tower(d_in: int, d_hidden: int, d_out: int, rng: np.random.Generator) -> dict:
     """GR's init after HSTUTransducer's re-initialisation: xavier-normal weights, zero biases,
     unit / zero norms."""
-    def xavier_normal(shape):
-        return (rng.standard_normal(shape) * math.sqrt(2.0 / (shape[0] + shape[1]))).astype(np.float32)
-
-    return {"w1": xavier_normal((d_in, d_hidden)), "b1": np.zeros(d_hidden, np.float32),
+    return {"w1": xavier_normal(rng, (d_in, d_hidden)), "b1": np.zeros(d_hidden, np.float32),
             "sw_w": np.ones(d_hidden, np.float32), "sw_b": np.zeros(d_hidden, np.float32),
-            "w2": xavier_normal((d_hidden, d_out)), "b2": np.zeros(d_out, np.float32),
+            "w2": xavier_normal(rng, (d_hidden, d_out)), "b2": np.zeros(d_out, np.float32),
             "ln_w": np.ones(d_out, np.float32), "ln_b": np.zeros(d_out, np.float32)}
 
 
