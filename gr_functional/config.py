@@ -39,6 +39,7 @@ EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
 HashInit = Literal["hashed", "dense"]
 Sharding = Literal["replicated", "row"]
 ExchangePrecision = Literal["fp32", "fp16", "bf16"]
+Task = Literal["retrieval", "ranking"]
 
 
 def choices(literal) -> tuple[str, ...]:
@@ -107,6 +108,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # "retrieval": GR's research HSTU (the keys below, [loss], [embedding]); "ranking": GR's
+    # dlrm_v3 HSTU ranking model, configured in [ranking] (gr_functional/ranking/, README "Ranking").
+    task: Task = "retrieval"
     num_items: int = _range(0, ge=0)  # item ids are 1..num_items (0 = padding); 0 = take from the data
     embed_dim: int = _range(50, ge=1)
     num_blocks: int = _range(2, ge=1)
@@ -351,6 +355,59 @@ class EmbeddingConfig:
 
 
 @dataclass(frozen=True)
+class RankingConfig:
+    """dlrm_v3's HSTU ranking model (``model.task = "ranking"``; gr_functional/ranking/, spec
+    docs/dlrm_v3_ranking_spec.md). Defaults are GR's kuairand-1k gin values (spec section 1)."""
+
+    embed_dim: int = _range(256, ge=1)        # embedding tables
+    dim: int = _range(512, ge=1)              # model width
+    num_layers: int = _range(3, ge=1)
+    heads: int = _range(4, ge=1)
+    dqk: int = _range(128, ge=1)
+    dv: int = _range(128, ge=1)
+    max_seq_len: int = _range(2056, ge=1)     # contextual + history + candidates
+    num_candidates: int = _range(10, ge=1)
+    video_table: int = _range(10_000_000, ge=1)
+    context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
+    # The 7 id features (video_id, user_id, 5 user features) are all embed_dim wide: with
+    # merge_tables they share one physical table (id spaces at row offsets), one gather per step
+    # instead of one per feature (MTGRBoost's table merging; embedding/collection.py plans it).
+    merge_tables: bool = True
+    action_dim: int = _range(8, ge=1)
+    action_weights: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    tower_hidden: int = _range(256, ge=1)     # content and action towers (GR: the constant 256)
+    item_hidden: int = _range(512, ge=1)      # item tower's hidden width (GR: the constant 512, not the model width)
+    task_hidden: int = _range(512, ge=1)      # multitask head's hidden width (GR: the constant 512)
+    position_buckets: int = _range(8192, ge=1)
+    time_buckets: int = _range(2048, ge=1)    # the time table has time_buckets + 1 rows
+    time_bucket_cap: int = _range(-1, ge=-1)  # -1: GR's PyTorch kernel's cap, dim - 1
+    input_dropout: float = _range(0.2, ge=0.0, lt=1.0)
+    linear_dropout: float = _range(0.1, ge=0.0, lt=1.0)
+
+    @property
+    def contextual(self) -> int:
+        return len(self.context_tables)
+
+    @property
+    def max_history(self) -> int:
+        return self.max_seq_len - self.num_candidates - self.contextual
+
+    @property
+    def cap(self) -> int:
+        return self.dim - 1 if self.time_bucket_cap < 0 else self.time_bucket_cap
+
+    def __post_init__(self):
+        if self.max_history < 1:
+            raise ConfigError(f"ranking.max_seq_len={self.max_seq_len} leaves no history: it must exceed "
+                              f"num_candidates ({self.num_candidates}) + the {self.contextual} contextual tokens")
+        if self.cap > self.time_buckets:
+            raise ConfigError(f"ranking.time_buckets={self.time_buckets}: time buckets reach {self.cap} "
+                              f"(time_bucket_cap, or dim - 1 = {self.dim - 1} as GR's PyTorch kernel caps them) but "
+                              f"the time table has rows 0..time_buckets: raise time_buckets or set "
+                              f"time_bucket_cap <= {self.time_buckets}")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -361,6 +418,7 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    ranking: RankingConfig = field(default_factory=RankingConfig)
 
 
 # section name -> its dataclass (each field's default_factory is the class itself)
@@ -511,7 +569,9 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
             fail("train", "hooks", f"no hook named {unknown[0]!r} is registered (registered: "
                                    f"{', '.join(hook_names()) or 'none'}); register one with "
                                    f"gr_functional.hooks.register_hook({unknown[0]!r}, cls) in a --plugin module")
-    if registries:
+    if cfg.model.task == "ranking":
+        _validate_ranking(cfg, fail)
+    elif registries:
         from .data import registry as datasets
 
         if cfg.data.dataset not in datasets.names():
@@ -541,10 +601,37 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
     if emb.kind == "dense" and emb.capacity:
         fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
                                       "applies to embedding.kind = 'hash'")
+    if cfg.model.task == "ranking":
+        return  # eval.ks are retrieval cut-offs
     if not e.ks or any(k < 1 for k in e.ks):
         fail("eval", "ks", "must be a non-empty list of cut-offs >= 1, e.g. [10, 50, 200]")
     if 10 not in e.ks:
         fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
+
+
+# ranking datasets (gr_functional/ranking/data.py DATASETS; listed here: that module imports numpy)
+RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log")
+# what the ranking task does not do yet: (section, key, value it must keep, why)
+_RANKING_REFUSES = (
+    ("embedding", "kind", "dense", "its tables are dense so far (hash tables in the ranking model: README \"Ranking\")"),
+    ("embedding", "optimizer", "adamw", "its tables are updated by AdamW so far"),
+    ("embedding", "sharding", "replicated", "it trains in one process so far"),
+    ("embedding", "staleness", 0, "its sparse updates are synchronous so far"),
+    ("train", "accumulate", 1, "gradient accumulation is not wired into the ranking step yet"),
+    ("train", "max_tokens", 0, "its batches hold train.batch_size users"),
+    ("backend", "precision", "fp32", "bf16 / fp16 are not differential-tested on the ranking model yet"),
+    ("dist", "nproc", 1, "it trains in one process so far"),
+)
+
+
+def _validate_ranking(cfg: Config, fail) -> None:
+    """The rules of ``model.task = "ranking"`` (gr_functional/ranking/runner.py)."""
+    if cfg.data.dataset not in RANKING_DATASETS:
+        fail("data", "dataset", f"model.task='ranking' trains on a ranking dataset: one of "
+                                f"{', '.join(RANKING_DATASETS)}")
+    for section, key, keep, why in _RANKING_REFUSES:
+        if getattr(getattr(cfg, section), key) != keep:
+            fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -446,9 +446,7 @@ class Evaluation(Hook):
             return
         for name in ("valid", "test"):
             try:
-                extra = {"host": host} if host is not None else {}
-                record[name] = self.evaluate(run.B, params, run.cfg, getattr(self.splits, name), self.candidates,
-                                             self.scorer, on_batch=lambda: run.comm.progress("eval"), **extra)
+                record[name] = self.evaluate_split(run, params, host, name)
             except Diverged as exc:
                 run.log.write({"kind": "abort", "step": state.step, "epoch": epoch,
                                "reason": f"non-finite {name} scores"})
@@ -458,8 +456,18 @@ class Evaluation(Hook):
             run.log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
         run.log.flush()
         loss_text = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-        run.echo(f"epoch {epoch}: loss {loss_text}  valid HR@10 {record['valid']['hr@10']:.4f}"
-                 f"  test HR@10 {record['test']['hr@10']:.4f}  NDCG@10 {record['test']['ndcg@10']:.4f}")
+        run.echo(f"epoch {epoch}: loss {loss_text}  {self.summary(record)}")
+
+    def evaluate_split(self, run: Run, params, host, name: str) -> dict:
+        """The metrics of split ``name`` ("valid" | "test"); ``Diverged`` on non-finite scores."""
+        extra = {"host": host} if host is not None else {}
+        return self.evaluate(run.B, params, run.cfg, getattr(self.splits, name), self.candidates, self.scorer,
+                             on_batch=lambda: run.comm.progress("eval"), **extra)
+
+    def summary(self, record: dict) -> str:
+        """The epoch line's metrics."""
+        return (f"valid HR@10 {record['valid']['hr@10']:.4f}  test HR@10 {record['test']['hr@10']:.4f}  "
+                f"NDCG@10 {record['test']['ndcg@10']:.4f}")
 
 
 class EpochHistory(Hook):

@@ -129,11 +129,9 @@ def data_fingerprint(data) -> str:
 def validate(cfg: Config, source: str = "<config>") -> None:
     """Every value was checked when the config was built (``config.build_config``: types, choices,
     ranges, cross-key rules); this re-checks a Config made in code with ``dataclasses.replace``."""
-    for section in dataclasses.fields(cfg):
-        body = getattr(cfg, section.name)
-        build_config({section.name: {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}},
-                     source=source)
-    config_validate(cfg, source=source)
+    build_config({section.name: {f.name: getattr(getattr(cfg, section.name), f.name)
+                                 for f in dataclasses.fields(getattr(cfg, section.name))}
+                  for section in dataclasses.fields(cfg)}, source=source)
 
 
 def make_backend(cfg: Config, device: str | None = None):
@@ -185,7 +183,7 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
 # the parameters mean. Any other key may change on resume (backend.name: resume on another
 # backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
 # and backend precision/dtype changes are allowed with a warning.
-_MATCH_SECTIONS = ("data", "model", "loss", "embedding")
+_MATCH_SECTIONS = ("data", "model", "loss", "embedding", "ranking")
 _MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
 # model.attention_tile only lays out the attention's work (same results up to float rounding)
 _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
@@ -352,7 +350,8 @@ def _restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
     return opt_state
 
 
-def _write_curves(path: Path, epochs: list[dict]) -> None:
+def write_curves(path: Path, epochs: list[dict], metric: str = "hr@10", label: str = "HR@10") -> None:
+    """OUT/curves.png: the train loss and the valid / test ``metric`` per epoch (atomic)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,10 +361,10 @@ def _write_curves(path: Path, epochs: list[dict]) -> None:
     ax1.plot([e["epoch"] for e in epochs], [np.nan if e["loss"] is None else e["loss"] for e in epochs], marker="o")
     ax1.set_xlabel("epoch"), ax1.set_ylabel("train loss")
     for split in ("valid", "test"):
-        pts = [(e["epoch"], e[split]["hr@10"]) for e in epochs if split in e]
+        pts = [(e["epoch"], e[split][metric]) for e in epochs if split in e and e[split].get(metric) is not None]
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=split)
-    ax2.set_xlabel("epoch"), ax2.set_ylabel("HR@10"), ax2.legend()
+    ax2.set_xlabel("epoch"), ax2.set_ylabel(label), ax2.legend()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")
     try:  # atomic, like every other output: a failed rewrite leaves the previous plot
@@ -389,7 +388,12 @@ def check_param_shapes(ck: Checkpoint) -> None:
     """``CheckpointError`` when the checkpoint's params (and AdamW moments) do not have the shapes
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
     cfg = ck.config
-    expected = model.param_shapes(cfg.model, table_items(cfg))
+    if cfg.model.task == "ranking":
+        from .ranking.model import ranking_param_shapes
+
+        expected = ranking_param_shapes(cfg.ranking)
+    else:
+        expected = model.param_shapes(cfg.model, table_items(cfg))
     if "shards" in ((ck.host or {}).get("embedding") or {}):
         expected.pop("item_emb")  # a row-sharded table: its rows are in host.embedding.shards
     trees = [("params", ck.params, expected)]
@@ -531,6 +535,13 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     import_plugins(cfg.train.plugins)
     validate(cfg)
     world = _world_size()
+    if cfg.model.task == "ranking":
+        if world > 1:
+            raise ConfigError("model.task='ranking' trains in one process so far (README \"Ranking\"); "
+                              "run it without torchrun")
+        from .ranking.runner import train_ranking
+
+        return train_ranking(cfg, out_dir, progress=progress, resume=resume, hooks=hooks)
     if world > 1:
         if cfg.backend.name not in DIST_TORCH_BACKENDS:
             raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the torch backends "
@@ -730,13 +741,45 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
         evaluation = Evaluation(partial(evaluate, host=host), splits, data.candidates, make_scorer(B, cfg), ckdir)
     hooks = [*builtin_hooks(cfg, out, main, evaluation), *user_hooks]
 
+    run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
+
+    if not main:
+        comm.wait_for("files")
+        return {"rank": comm.rank, "steps": state.step, "skipped_steps": state.skipped_total}
+    comm.progress("files")
+    history = state.history
+    if not history:
+        raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
+    best = select_epoch(history)
+    last = history[-1]
+    result = {**best["test"], "epoch": best["epoch"], "selected_by": f"best valid {SELECT_METRIC}",
+              "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
+              "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
+              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - run.run_start}
+    if comm.world_size > 1:
+        result["world_size"] = comm.world_size
+    atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
+    try:
+        write_curves(out / "curves.png", history)
+    except OSError as exc:
+        raise write_error(out / "curves.png", exc) from None
+    comm.post("files")
+    return result
+
+
+def run_epochs(run: Run, hooks: list, steps, epoch: int, start: int | None, resumed: bool) -> None:
+    """The training loop proper, shared by every task: epochs from ``epoch`` (its batches from
+    ``start``; None: only its end is left) calling the hooks at every step and epoch end, until
+    ``train.epochs`` or ``train.max_steps``; closes the hooks, the bar and the logs however it ends."""
+    cfg, state, tc = run.cfg, run.state, run.cfg.train
+
     def finished() -> bool:
         return epoch >= tc.epochs or run.stopping()
 
-    if finished() and restored is not None:
-        say(f"{out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
-            f"{f', max_steps {tc.max_steps}' if tc.max_steps else ''}): rewriting eval.json and curves.png from its "
-            f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
+    if finished() and resumed and run.is_main:
+        _say(f"{run.out} is already complete (step {state.step}, epoch {epoch} of {tc.epochs}"
+             f"{f', max_steps {tc.max_steps}' if tc.max_steps else ''}): rewriting eval.json and curves.png from its "
+             f"history. Raise train.epochs or train.max_steps to continue, or pass --fresh to retrain")
     try:
         while not finished():
             run.epoch = epoch
@@ -764,32 +807,9 @@ def _train_loop(cfg: Config, out: Path, progress: bool, resume: str, B, comm, da
                 hook.on_close(run)
             except Exception as exc:  # noqa: BLE001 - never mask the run's own error or skip the closes below
                 warn(f"hook {type(hook).__name__}.on_close failed: {type(exc).__name__}: {exc}")
-        bar.close()
-        log.close()
-        timing.close()
-
-    if not main:
-        comm.wait_for("files")
-        return {"rank": comm.rank, "steps": state.step, "skipped_steps": state.skipped_total}
-    comm.progress("files")
-    history = state.history
-    if not history:
-        raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
-    best = select_epoch(history)
-    last = history[-1]
-    result = {**best["test"], "epoch": best["epoch"], "selected_by": f"best valid {SELECT_METRIC}",
-              "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": data.name,
-              "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
-              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - run.run_start}
-    if comm.world_size > 1:
-        result["world_size"] = comm.world_size
-    atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
-    try:
-        _write_curves(out / "curves.png", history)
-    except OSError as exc:
-        raise write_error(out / "curves.png", exc) from None
-    comm.post("files")
-    return result
+        run.bar.close()
+        run.log.close()
+        run.timing.close()
 
 
 def _count_step(state: RunState, step: StepResult, cfg: Config) -> None:

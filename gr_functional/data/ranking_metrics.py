@@ -117,14 +117,15 @@ def mae(predictions, targets, weights=None) -> float:
 def task_metrics(outputs, labels, users, tasks, weights=None) -> dict:
     """Every task's metrics: ``outputs[n, K]`` (logits of classification tasks, predictions of
     regression ones), ``labels[n, K]``, ``users[n]``, ``tasks`` K pairs ``(name, kind)`` with kind
-    "binary" | "regression". Returns ``{name: {"auc", "gauc", "gauc_users", "ne"} | {"mse", "mae"}}``."""
+    "binary" | "regression". Returns ``{name: {"auc", "gauc", "gauc_users", "ne", "positives"} | {"mse", "mae"}}``."""
     outputs, labels = np.asarray(outputs), np.asarray(labels)
     out = {}
     for k, (name, kind) in enumerate(tasks):
         if kind == "binary":
             g, n_users = gauc(outputs[:, k], labels[:, k], users, weights)
             out[name] = {"auc": auc(outputs[:, k], labels[:, k], weights), "gauc": g, "gauc_users": n_users,
-                         "ne": normalized_entropy(outputs[:, k], labels[:, k], weights)}
+                         "ne": normalized_entropy(outputs[:, k], labels[:, k], weights),
+                         "positives": int(np.count_nonzero(labels[:, k]))}
         elif kind == "regression":
             out[name] = {"mse": mse(outputs[:, k], labels[:, k], weights), "mae": mae(outputs[:, k], labels[:, k], weights)}
         else:

@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from ..config import RankingConfig
 from ..data.sources.kuairand_ranking import CONTEXT_FEATURES
 from ..embedding.collection import FeatureSpec, plan_tables
 from ..jagged import Jagged
 from ..model import xavier_normal, xavier_uniform
-from .encoding import add_position_time, gr_time_bucket_cap, position_indices, time_buckets
+from .encoding import add_position_time, position_indices, time_buckets
 from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
 from .stu import init_stu_params, stu_layer
 from .tokens import action_bits, assemble, assembly_index, contextual_tokens, init_tower, tower
@@ -30,55 +31,8 @@ ACTION_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 TASKS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
 
 
-@dataclasses.dataclass(frozen=True)
-class RankingModelConfig:
-    """GR's kuairand-1k values by default (spec section 1)."""
-
-    embed_dim: int = 256                 # embedding tables
-    dim: int = 512                       # model width
-    num_layers: int = 3
-    heads: int = 4
-    dqk: int = 128
-    dv: int = 128
-    max_seq_len: int = 2056              # contextual + history + candidates
-    num_candidates: int = 10
-    video_table: int = 10_000_000
-    context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
-    # The 7 id features (video_id, user_id, 5 user features) are all embed_dim wide: with
-    # merge_tables they share one physical table (id spaces at row offsets), one gather per step
-    # instead of one per feature (MTGRBoost's table merging; embedding/collection.py plans it).
-    merge_tables: bool = True
-    action_dim: int = 8
-    action_weights: tuple[int, ...] = ACTION_WEIGHTS
-    tower_hidden: int = 256              # content and action towers (GR: the constant 256)
-    item_hidden: int = 512               # item tower's hidden width (GR: the constant 512, not the model width)
-    task_hidden: int = 512               # multitask head's hidden width (GR: the constant 512)
-    position_buckets: int = 8192
-    time_buckets: int = 2048             # the time table has time_buckets + 1 rows
-    time_bucket_cap: int = -1            # -1: GR's PyTorch kernel's cap, dim - 1
-    input_dropout: float = 0.2
-    linear_dropout: float = 0.1
-
-    @property
-    def contextual(self) -> int:
-        return len(self.context_tables)
-
-    @property
-    def max_history(self) -> int:
-        return self.max_seq_len - self.num_candidates - self.contextual
-
-    @property
-    def cap(self) -> int:
-        return gr_time_bucket_cap(self.dim) if self.time_bucket_cap < 0 else self.time_bucket_cap
-
-    def __post_init__(self):
-        if self.max_history < 1:
-            raise ValueError(f"max_seq_len={self.max_seq_len} leaves no history: it must exceed num_candidates "
-                             f"({self.num_candidates}) + the {self.contextual} contextual tokens")
-        if self.cap > self.time_buckets:
-            raise ValueError(f"time buckets reach {self.cap} (time_bucket_cap, or dim - 1 = {self.dim - 1} as GR's "
-                             f"PyTorch kernel caps them) but the time table has rows 0..time_buckets={self.time_buckets}: "
-                             f"raise time_buckets or set time_bucket_cap <= {self.time_buckets}")
+# The model's configuration is the [ranking] section of the run config (one schema, checked once).
+RankingModelConfig = RankingConfig
 
 
 ID_FEATURES = ("video_id", "user_id") + tuple(CONTEXT_FEATURES)
@@ -139,6 +93,17 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
     }
 
 
+def ranking_param_shapes(cfg: RankingModelConfig) -> dict:
+    """``{path: shape}`` of ``init_ranking_params(cfg)`` (``tree.tree_items`` paths) without
+    allocating the tables (GR's are 10M rows): a resumed checkpoint is checked against it."""
+    from ..tree import tree_items
+
+    tiny = dataclasses.replace(cfg, video_table=1, context_tables=(1,) * cfg.contextual)
+    shapes = {k: np.shape(v) for k, v in tree_items(init_ranking_params(tiny)) if not k.startswith("tables.")}
+    shapes.update({f"tables.{g.name}": (g.rows, cfg.embed_dim) for g in table_plan(cfg)})
+    return shapes
+
+
 def _init_tables(cfg: RankingModelConfig, rng: np.random.Generator) -> dict:
     """GR's embedding init, U(+-sqrt(1/n)) per feature of n ids, laid out as ``table_plan``
     says (row 0 of each table zero); the same values whether merged or not."""
@@ -187,17 +152,22 @@ class RankingBatch:
     keep_layers: Any = None
 
 
-def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None) -> RankingBatch:
+def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
+                       ends=None) -> RankingBatch:
     """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
-    ``rng`` draws the dropout masks (None: evaluation, no dropout). A user needs more events than
-    ``num_candidates`` (GR skips the others too)."""
+    ``rng`` draws the dropout masks (None: evaluation, no dropout). ``ends[i]`` (default: every
+    user's length) cuts user i's sequence at that event: its candidates are the ``num_candidates``
+    events before it (a chronological split's training and validation samples). A user needs
+    more events than ``num_candidates`` (GR skips the others too)."""
     S, C = cfg.contextual, cfg.num_candidates
     if len(users) == 0:
         raise ValueError("make_ranking_batch needs at least one user")
     items, bits, cand_flag, times, lengths, targets = [], [], [], [], [], []
     cand_items, cand_bits, query = [], [], []
-    for u in users:
+    for i, u in enumerate(users):
         seq = seqs.sequence(u)
+        if ends is not None:
+            seq = {name: col[:int(ends[i])] for name, col in seq.items()}
         n = len(seq["video_id"])
         if n <= C:
             raise ValueError(f"user {int(seqs.users[u])} has {n} events; a ranking sample needs more than "
@@ -301,7 +271,8 @@ def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     return multitask_loss(B, ranking_logits(B, params, batch, cfg), batch.labels, batch.cand_mask)
 
 
-def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16) -> dict:
+def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
+                     scorer=None, on_batch=None) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
     ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
@@ -310,11 +281,13 @@ def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batc
     from ..data.ranking_metrics import task_metrics
 
     logits, labels, owners = [], [], []
-    score = B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
+    score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
     for s in range(0, len(users), batch_size):
         chunk = list(users[s:s + batch_size])
-        batch = make_ranking_batch(seqs, chunk, cfg)
+        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size])
         logits.append(B.to_numpy(score(params, B.asarray_tree(batch))))
+        if on_batch is not None:
+            on_batch()
         labels.append(batch.labels)
         owners.append(np.repeat(np.asarray(seqs.users)[chunk], cfg.num_candidates))
     names = TASKS[:len(cfg.action_weights)]

@@ -358,10 +358,10 @@ def test_item_tower_and_task_head_widths_are_gr_constants():
 def test_ranking_config_and_batch_refuse_what_cannot_work(sample_seqs):
     from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
 
-    with pytest.raises(ValueError, match="time table has rows 0..time_buckets=4"):
+    with pytest.raises(ValueError, match="time_buckets=4: time buckets reach 11"):
         RankingModelConfig(**{**SMALL, "time_buckets": 4})                     # GR's cap dim - 1 = 11 > 4
     RankingModelConfig(**{**SMALL, "time_buckets": 4, "time_bucket_cap": 4})
-    with pytest.raises(ValueError, match="max_seq_len=11 leaves no history"):
+    with pytest.raises(ValueError, match="ranking.max_seq_len=11 leaves no history"):
         RankingModelConfig(**{**SMALL, "max_seq_len": 11})
     with pytest.raises(ValueError, match="at least one user"):
         make_ranking_batch(sample_seqs, [], RankingModelConfig(**SMALL))

@@ -1,0 +1,152 @@
+"""Ranking data for ``grf train`` (``model.task = "ranking"``): the datasets, the chronological
+split and the training loader.
+
+Datasets (``data.dataset``):
+  kuairand-rank-synthetic  the KuaiRand-shaped generator (data/sources/kuairand_ranking_synthetic.py):
+                           data.synthetic_users / synthetic_items / synthetic_max_events / zipf_a / seed
+  kuairand-rank-gr         GR's processed_seqs.csv (data.path), as GR's KuaiRand preprocessor writes it
+  kuairand-rank-log        an official KuaiRand log (data.path, e.g. log_standard_4_08_to_4_21_1k.csv)
+                           joined with the official user feature file
+
+Split, chronological per user (every user is in every split): with C = ``ranking.num_candidates``
+and n a user's events, the test sample's candidates are its last C events, validation's the C
+before them, and training has one sample per earlier window of C events: candidates
+``[e - C, e)`` for e = n - 2C, n - 3C, ... while at least one history event precedes them. Each
+sample's history is every event before its candidates (truncated to ``ranking.max_history``, the
+oldest kept, as GR does). GR's own protocol differs: one sample per user (its last C events),
+users split 75/25 by file order, no validation (docs/dlrm_v3_ranking_spec.md section 5.3).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from ..config import RANKING_DATASETS as DATASETS  # noqa: F401 (checked in config.validate)
+from ..errors import DataError
+from ..data.prefetch import Prefetch, PrefetchStats, timed
+from ..data.sources.kuairand_ranking import SEQUENCE_COLUMNS, RankingSequences
+from .model import make_ranking_batch
+
+
+
+def load_ranking_data(cfg) -> RankingSequences:
+    """The ``RankingSequences`` of ``cfg.data`` (a ``Config``); ``DataError`` naming the file."""
+    d = cfg.data
+    if d.dataset == "kuairand-rank-synthetic":
+        from ..data.sources.kuairand_ranking_synthetic import synthetic_ranking
+
+        return synthetic_ranking(d.synthetic_users, d.synthetic_items, d.synthetic_max_events, d.zipf_a, seed=d.seed,
+                                 min_events=3 * cfg.ranking.num_candidates + 1)
+    if not d.path:
+        raise DataError(f"data.dataset={d.dataset!r} reads a file: set data.path (GR's processed_seqs.csv for "
+                        f"kuairand-rank-gr, an official KuaiRand log csv for kuairand-rank-log)")
+    if d.dataset == "kuairand-rank-gr":
+        from ..data.sources.kuairand_ranking import load_gr_processed
+
+        return load_gr_processed(d.path)
+    from ..data.sources.kuairand import load_kuairand_log
+    from ..data.sources.kuairand_features import load_kuairand_features
+    from ..data.sources.kuairand_ranking import LOG_COLUMNS, sequences_from_log
+
+    return sequences_from_log(load_kuairand_log(d.path, columns=LOG_COLUMNS), load_kuairand_features(kind="user"))
+
+
+def fingerprint(seqs: RankingSequences) -> str:
+    """sha256 of the sequences and contexts: resuming on changed data is refused."""
+    h = hashlib.sha256()
+    arrays = [seqs.users, seqs.offsets, *(seqs.columns[c] for c in SEQUENCE_COLUMNS),
+              *(seqs.context[c] for c in sorted(seqs.context))]
+    for arr in arrays:
+        h.update(np.ascontiguousarray(arr, np.int64).view(np.uint8).reshape(-1).data)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Samples:
+    """``users[S]`` (indices into the sequences) and ``ends[S]``: sample i's candidates are the
+    ``num_candidates`` events of user ``users[i]`` before event ``ends[i]``."""
+
+    users: np.ndarray
+    ends: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+
+@dataclasses.dataclass
+class RankingSplits:
+    train: Samples
+    valid: Samples
+    test: Samples
+
+
+def chronological_split(seqs: RankingSequences, num_candidates: int) -> RankingSplits:
+    """The split of the module docstring; ``DataError`` naming a user with too few events."""
+    C = num_candidates
+    lengths = np.diff(seqs.offsets)
+    short = np.flatnonzero(lengths < 3 * C + 1)
+    if len(short):
+        u = int(short[0])
+        raise DataError(f"user {int(seqs.users[u])} has {int(lengths[u])} events; the chronological split needs "
+                        f"3 x ranking.num_candidates + 1 = {3 * C + 1} (test, validation and one training window "
+                        f"after a history event): {len(short)} user(s) are that short. Lower ranking.num_candidates "
+                        f"or drop them")
+    users = np.arange(len(lengths))
+    tu, te = [], []
+    for u, n in enumerate(lengths):
+        ends = np.arange(n - 2 * C, C, -C)               # candidates [e - C, e) need >= 1 history event before
+        tu.append(np.full(len(ends), u))
+        te.append(ends)
+    return RankingSplits(train=Samples(np.concatenate(tu), np.concatenate(te)),
+                         valid=Samples(users, lengths - C), test=Samples(users, lengths.copy()))
+
+
+class RankingLoader:
+    """Training batches of ``train.batch_size`` samples, shuffled per epoch by
+    ``default_rng((seed, epoch))``; batch b's dropout masks come from ``default_rng((seed, epoch,
+    b))``, so a resume from (epoch, b) rebuilds exactly the batches an uninterrupted run sees.
+    The last batch of an epoch may be smaller. ``position`` is (epoch, next batch)."""
+
+    def __init__(self, seqs: RankingSequences, samples: Samples, model_cfg, batch_size: int, seed: int):
+        self.seqs, self.samples, self.model_cfg = seqs, samples, model_cfg
+        self.batch_size, self.seed = batch_size, seed
+        self.position = (0, 0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.samples) // self.batch_size)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.position[0], "batch": self.position[1], "samples": len(self.samples),
+                "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("samples") != len(self.samples) or state.get("batch_size") != self.batch_size:
+            raise DataError(f"the checkpoint's loader had {state.get('samples')} training samples in batches of "
+                            f"{state.get('batch_size')}; this data and config give {len(self.samples)} in batches of "
+                            f"{self.batch_size}: the data or train.batch_size changed (pass --fresh to start over)")
+        self.position = (int(state["epoch"]), int(state["batch"]))
+
+    def _build(self, epoch: int, start: int):
+        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.samples))
+        for b in range(start, self.steps_per_epoch):
+            pick = order[b * self.batch_size:(b + 1) * self.batch_size]
+            rng = np.random.default_rng((self.seed, epoch, b))
+            yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng,
+                                        ends=self.samples.ends[pick])
+
+    def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None):
+        """The batches of ``epoch`` from batch ``start``, built ``prefetch`` ahead on a thread
+        (bitwise the synchronous batches); ``position`` advances as each is handed out."""
+        items = self._build(epoch, start)
+        source = Prefetch(items, prefetch, stats) if prefetch else timed(items, stats)
+        try:
+            for b, batch in source:
+                done = b + 1 == self.steps_per_epoch
+                self.position = (epoch + 1, 0) if done else (epoch, b + 1)
+                yield batch
+        finally:
+            if prefetch:
+                source.close()

@@ -1,0 +1,258 @@
+"""``grf train`` for ``model.task = "ranking"``: dlrm_v3's HSTU ranking model trained on a
+ranking dataset (ranking/data.py) with the same loop, hooks, checkpoints, exact resume and output
+files as retrieval (runner.py); only the data, the step and the evaluation differ.
+
+The step is the guarded AdamW update of ``train.apply_update`` on GR's multitask loss (sum over
+tasks of 0.2 x mean BCE). Evaluation after every ``train.eval_every`` epochs: per-task AUC, GAUC
+and NE on the validation and test samples (``eval.batch_size`` users per batch: GR's attention
+normaliser is the batch's longest sequence, so this is part of the protocol; GR uses 16). The
+epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy at
+1K-user scale to select on); eval.json holds that epoch's test metrics.
+
+Not yet supported here, refused by name in ``config.validate``: hash / row-sparse / sharded
+tables, more than one process, gradient accumulation, token budgets, bf16 / fp16.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import CheckpointDir, atomic_write_bytes
+from ..config import Config, config_to_toml
+from ..data.prefetch import PrefetchStats
+from ..errors import CheckpointError, Diverged, NonFiniteState, TrainingAborted
+from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
+                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, last_healthy,
+                     named_hooks)
+from ..runlock import RunLock
+from ..train import apply_update, init_opt_state
+from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
+from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss
+
+SELECT = "is_click/auc"
+SUMMARY = ("auc", "gauc", "ne")
+
+
+def make_ranking_step(B, cfg: Config):
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``: one guarded AdamW step
+    on a ``RankingBatch`` (metrics as ``train.train_step``'s; ``tokens`` = candidates)."""
+    mc = cfg.ranking
+
+    def loss_only(params, batch):
+        loss, _ = ranking_loss(B, params, batch, mc)
+        return loss
+
+    def step(params, opt_state, batch):
+        loss, grads = B.value_and_grad(loss_only)(params, batch)
+        return apply_update(B, params, opt_state, loss, B.xp.sum(batch.cand_mask), grads, cfg)
+
+    return B.jit(step)
+
+
+class RankingSteps:
+    """One optimizer step per loader batch (the runner's ``steps`` protocol)."""
+
+    def __init__(self, B, cfg: Config, loader: RankingLoader):
+        self.B, self.loader, self.prefetch = B, loader, cfg.train.prefetch
+        self.prefetch_stats = PrefetchStats()
+        self.fn = make_ranking_step(B, cfg)
+
+    def batches(self, epoch: int, start: int):
+        return ([b] for b in self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats))
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        (batch,) = micro
+        params, opt_state, m = self.fn(params, opt_state, self.B.asarray_tree(batch))
+        return params, opt_state, StepResult(step, epoch, m, batch.layout.num_tokens())
+
+
+def summarise(metrics: dict) -> dict:
+    """Flat JSON-safe record of ``evaluate_ranking``'s output: ``{task}/{auc,gauc,ne}`` (None where
+    undefined: a task without positives), ``{task}/positives``, and the means over tasks where
+    defined as ``auc`` / ``gauc`` / ``ne``."""
+    out = {"candidates": metrics["candidates"]}
+    for key in SUMMARY:
+        vals = []
+        for task in TASKS:
+            if task not in metrics:
+                continue
+            v = metrics[task][key]
+            ok = v is not None and math.isfinite(v)
+            out[f"{task}/{key}"] = float(v) if ok else None
+            if ok:
+                vals.append(float(v))
+        out[key] = float(np.mean(vals)) if vals else None
+    for task in TASKS:
+        if task in metrics and "positives" in metrics[task]:
+            out[f"{task}/positives"] = int(metrics[task]["positives"])
+    return out
+
+
+def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batch=None) -> dict:
+    """``summarise`` of the model on ``samples`` (ranking/data.Samples); ``Diverged`` when a
+    logit is not finite."""
+    score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg.ranking))
+    checked = []
+
+    def finite_scorer(p, b):
+        logits = score(p, b)
+        checked.append(bool(np.isfinite(B.to_numpy(logits)).all()))
+        if not checked[-1]:
+            raise Diverged("non-finite ranking logits")
+        return logits
+
+    return summarise(evaluate_ranking(B, params, seqs, samples.users, cfg.ranking, cfg.eval.batch_size,
+                                      ends=samples.ends, scorer=finite_scorer, on_batch=on_batch))
+
+
+class RankingEvaluation(Evaluation):
+    """Validation and test metrics every ``train.eval_every`` epochs and after the last
+    (``hooks.Evaluation`` with the ranking samples and metrics)."""
+
+    def __init__(self, seqs, splits, scorer, ckdir):
+        super().__init__(None, splits, None, scorer, ckdir)
+        self.seqs = seqs
+
+    def evaluate_split(self, run: Run, params, host, name: str) -> dict:
+        return evaluate_samples(run.B, params, run.cfg, self.seqs, getattr(self.splits, name), self.scorer)
+
+    def summary(self, record: dict) -> str:
+        v, t = record["valid"], record["test"]
+        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+        return (f"valid click AUC {fmt(v[SELECT])}  test click AUC {fmt(t[SELECT])} GAUC {fmt(t['is_click/gauc'])}  "
+                f"mean AUC {fmt(t['auc'])}")
+
+
+def select_epoch(history: list) -> dict | None:
+    """The record with the best validation ``SELECT`` (the first of equals)."""
+    best = None
+    for record in history:
+        v = record.get("valid", {}).get(SELECT)
+        if v is not None and (best is None or v > best["valid"][SELECT]):
+            best = record
+    return best
+
+
+def train_ranking(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
+    """``runner.train`` for the ranking task (same arguments, files and guarantees)."""
+    from .. import runner
+
+    out = Path(out_dir)
+    seqs = load_ranking_data(cfg)
+    splits = chronological_split(seqs, cfg.ranking.num_candidates)
+    fp = fingerprint(seqs)
+    loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed)
+    ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
+    user_hooks = [*named_hooks(cfg.train.hooks), *hooks]
+    if cfg.train.tensorboard:
+        TensorBoard.check()
+    lock = RunLock(out)
+    stale = lock.acquire()
+    try:
+        if stale:
+            runner.warn(f"{lock.path}: taking over the lock of a run that is gone ({stale})")
+        restored, events = runner._find_resume(cfg, ckdir, resume, loader, fp)
+        B = runner.make_backend(cfg)
+        return _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restored, events, user_hooks)
+    finally:
+        lock.release()
+
+
+def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restored, events, user_hooks) -> dict:
+    from tqdm import tqdm
+
+    from .. import runner
+
+    say = runner._say
+    lengths = np.diff(seqs.offsets)
+    say(f"data {cfg.data.dataset}: {len(seqs.users):,} users, {int(lengths.sum()):,} events; {len(splits.train):,} "
+        f"training samples of {cfg.ranking.num_candidates} candidates, {len(splits.valid):,} validation and "
+        f"{len(splits.test):,} test samples")
+    if resume == "never":
+        n = ckdir.clear()
+        if n:
+            say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
+    for tmp in ckdir.stale_temp_files():
+        tmp.unlink(missing_ok=True)
+    for ev in events:
+        if ev.get("other_config") and Path(ev["file"]).exists():
+            ev["moved_to"] = str(ckdir.set_aside(Path(ev["file"])))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+    if restored is not None:
+        params = B.asarray_tree(restored.params)
+        opt_state = B.asarray_tree(restored.opt_state)
+        state = runner.RunState.from_meta(restored.meta["run"])
+        log = runner.JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines)
+        timing = runner.JsonLog(out / "timing.jsonl", append=True)
+        say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {loader.position[0]} batch "
+            f"{loader.position[1]}; pass --fresh to start over")
+        events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
+    else:
+        params = B.asarray_tree(init_ranking_params(cfg.ranking, seed=cfg.train.seed))
+        opt_state = init_opt_state(B, params, cfg)
+        state = runner.RunState()
+        log = runner.JsonLog(out / "metrics.jsonl")
+        timing = runner.JsonLog(out / "timing.jsonl")
+        events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
+    for ev in events:
+        timing.write({**ev, "time": time.time()})
+    tc = cfg.train
+    steps = RankingSteps(B, cfg, loader)
+    epoch, start = loader.position
+    if state.epoch_end_pending >= 0:
+        epoch, start = state.epoch_end_pending, None
+    total = loader.steps_per_epoch * tc.epochs
+    total = min(total, tc.max_steps) if tc.max_steps else total
+
+    def save(reason: str, epoch_of: int) -> Path | None:
+        log.sync()
+        state.metrics_lines = log.lines
+        ended = bool(state.history) and state.history[-1]["epoch"] == epoch_of
+        if reason not in ("epoch", "final") and loader.position[0] > epoch_of and state.epoch_end_pending < 0 \
+                and not ended:
+            state.epoch_end_pending = epoch_of
+        t0 = time.perf_counter()
+        meta = {"epoch": epoch_of, "step": state.step, "backend": B.name, "precision": cfg.backend.precision,
+                "reason": reason, "loader": loader.state_dict(), "run": state.to_meta(),
+                "data": {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
+                "rng": {"generator": "numpy default_rng((train.seed, epoch[, batch]))", "seed": tc.seed,
+                        "position": list(loader.position)}, "world_size": 1}
+        try:
+            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta)
+        except NonFiniteState as exc:
+            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
+        timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
+                      "seconds": time.perf_counter() - t0})
+        timing.flush()
+        return path
+
+    bar = tqdm(total=total, initial=min(state.step, total), disable=None if progress else True, unit="step",
+               dynamic_ncols=True)
+    run = Run(cfg=cfg, out=out, B=B, comm=LocalComm(), state=state, log=log, timing=timing, loader=loader,
+              save=save, echo=bar.write, bar=bar, params=params, opt_state=opt_state,
+              run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
+    scorer = B.jit(lambda p, b: ranking_logits(B, p, b, cfg.ranking))
+    hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(),
+             RankingEvaluation(seqs, splits, scorer, ckdir), EpochHistory(), EpochTiming(), EpochCheckpoint()]
+    if tc.tensorboard:
+        hooks.append(TensorBoard(out))
+    hooks += user_hooks
+    runner.run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
+
+    history = state.history
+    if not history:
+        raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
+    best = select_epoch(history) or history[-1]
+    last = history[-1]
+    result = {**best.get("test", {}), "epoch": best["epoch"], "selected_by": f"best valid {SELECT}",
+              "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": cfg.data.dataset,
+              "task": "ranking", "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
+              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - run.run_start}
+    atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
+    runner.write_curves(out / "curves.png", history, metric=SELECT, label="click AUC")
+    return result

@@ -1,0 +1,152 @@
+"""``grf train`` with ``model.task = "ranking"`` (gr_functional/ranking/runner.py): the preset's
+data generator and chronological split, the loader, the output files with per-task AUC / GAUC, a
+SIGKILLed run resuming bitwise, the GR-processed-file dataset and the refusals by name."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gr_functional.checkpoint import CheckpointDir, read_checkpoint
+from gr_functional.config import ConfigError, load_config
+from gr_functional.data.sources.kuairand_ranking import ACTION_BITS, write_gr_processed
+from gr_functional.data.sources.kuairand_ranking_synthetic import ACTION_RATES, synthetic_ranking
+from gr_functional.ranking.data import RankingLoader, chronological_split
+from gr_functional.ranking.model import TASKS, init_ranking_params, ranking_param_shapes
+from gr_functional.tree import tree_items
+
+from .reliability.common import ROOT, metrics, sets, subprocess_env
+
+PRESET = ROOT / "experiments" / "configs" / "kuairand_rank.toml"
+# 24 users x 60 events, windows of 10 candidates: 3 training samples per user, 72 in all; batch 16 -> 5 steps/epoch
+TINY = ["data.synthetic_users=24", "data.synthetic_items=300", "data.synthetic_max_events=60",
+        "ranking.embed_dim=8", "ranking.dim=16", "ranking.num_layers=1", "ranking.heads=2", "ranking.dqk=4",
+        "ranking.dv=4", "ranking.max_seq_len=40", "ranking.video_table=300", "ranking.context_tables=[24, 8, 9, 9, 8, 8]",
+        "ranking.tower_hidden=8", "ranking.item_hidden=8", "ranking.task_hidden=8", "ranking.position_buckets=64",
+        "ranking.time_buckets=16", "train.epochs=3", "train.batch_size=16", "train.log_every=1", "eval.batch_size=8",
+        "train.checkpoint_every=3", "train.keep_checkpoints=0"]
+
+
+def _command(out, *extra):
+    return [sys.executable, "-m", "gr_functional.cli", "train", "--config", str(PRESET), "--quiet", "--out", str(out),
+            *sets(TINY + list(extra))]
+
+
+def _run(out, *extra, timeout=600):
+    return subprocess.run(_command(out, *extra), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranking") / "run"
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_the_generator_matches_its_rates_and_is_deterministic():
+    seqs = synthetic_ranking(num_users=300, num_items=2000, max_events=200, seed=3)
+    again = synthetic_ranking(num_users=300, num_items=2000, max_events=200, seed=3)
+    for name in seqs.columns:
+        assert np.array_equal(seqs.columns[name], again.columns[name])
+    bits = seqs.columns["action_weights"]
+    n = len(bits)
+    for name, bit in ACTION_BITS:                      # within 4 binomial standard errors of the target
+        rate = np.count_nonzero(bits & bit) / n
+        target = ACTION_RATES[name]
+        assert abs(rate - target) < 4 * np.sqrt(target * (1 - target) / n) + 1e-4, (name, rate, target)
+    lengths = np.diff(seqs.offsets)
+    assert lengths.min() >= 31 and lengths.max() <= 200
+    long_view = (bits & 64) > 0                        # KuaiRand's rule: play >= min(duration, 18 s)
+    need = np.minimum(seqs.columns["duration_ms"], 18000)
+    assert np.array_equal(long_view, seqs.columns["play_time_ms"] >= need)
+    for u in range(len(seqs.users)):                   # time moves forward within a user
+        assert (np.diff(seqs.sequence(u)["time_ms"]) >= 0).all()
+    assert all(seqs.context[c].min() >= 1 for c in seqs.context)   # GR's 1-based category codes
+
+
+def test_chronological_split_windows():
+    seqs = synthetic_ranking(num_users=5, num_items=100, max_events=60, seed=0)
+    splits = chronological_split(seqs, 10)
+    n = np.diff(seqs.offsets)
+    assert splits.test.ends.tolist() == n.tolist() and splits.valid.ends.tolist() == (n - 10).tolist()
+    for u in range(5):
+        ends = sorted(splits.train.ends[splits.train.users == u].tolist())
+        # disjoint windows of 10 below the validation candidates, each after >= 1 history event
+        assert ends == list(range(n[u] - 20, 10, -10))[::-1]
+    from gr_functional.errors import DataError
+    with pytest.raises(DataError, match="needs 3 x ranking.num_candidates \\+ 1 = 61"):
+        chronological_split(seqs, 20)
+
+
+def test_prefetched_batches_are_the_synchronous_ones():
+    cfg = load_config(PRESET, TINY)
+    seqs = synthetic_ranking(24, 300, 60, seed=0)
+    samples = chronological_split(seqs, 10).train
+    a = list(RankingLoader(seqs, samples, cfg.ranking, 16, 7).epoch(1, 0, prefetch=0))
+    loader = RankingLoader(seqs, samples, cfg.ranking, 16, 7)
+    b = list(loader.epoch(1, 2, prefetch=2))
+    assert loader.position == (2, 0) and len(a) == 5 and len(b) == 3
+    for x, y in zip(a[2:], b):
+        for (k, u), (_, v) in zip(tree_items(x.__dict__), tree_items(y.__dict__)):
+            assert np.array_equal(np.asarray(u), np.asarray(v)), k
+
+
+def test_param_shapes_without_allocating_tables():
+    cfg = load_config(PRESET, TINY).ranking
+    assert ranking_param_shapes(cfg) == {k: np.shape(v) for k, v in tree_items(init_ranking_params(cfg))}
+
+
+def test_ranking_run_reports_auc_and_gauc_per_task(reference):
+    result = json.loads((reference / "eval.json").read_text())
+    assert result["task"] == "ranking" and result["selected_by"] == "best valid is_click/auc"
+    for task in TASKS:
+        for key in ("auc", "gauc", "ne"):
+            assert f"{task}/{key}" in result
+    assert 0.0 < result["is_click/auc"] < 1.0 and result["candidates"] == 240
+    lines = metrics(reference)
+    evals = [m for m in lines if m["kind"] == "eval"]
+    assert [(m["epoch"], m["split"]) for m in evals] == [(e, s) for e in range(3) for s in ("valid", "test")]
+    assert [m["step"] for m in lines if m["kind"] == "train"] == list(range(1, 16))
+    assert (reference / "curves.png").exists() and (reference / "config.toml").exists()
+
+
+def test_sigkilled_ranking_run_resumes_bitwise(reference, tmp_path, monkeypatch):
+    from tests.reliability import test_resume
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(test_resume, "grf_command", lambda out, *extra: _command(out, *extra))
+    test_resume._run_until_fault(out, "after-step@7")        # mid-epoch 1, one step after checkpoint 6
+    assert CheckpointDir(out / "checkpoints").steps()[0][0] == 6
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming" in proc.stderr and "step-00000006.safetensors" in proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+    ck, ref = (read_checkpoint(CheckpointDir(o / "checkpoints").steps()[0][1]) for o in (out, reference))
+    assert ck.step == ref.step == 15
+    for (k, a), (_, b) in zip(tree_items({"p": ck.params, "o": ck.opt_state}),
+                              tree_items({"p": ref.params, "o": ref.opt_state})):
+        assert np.array_equal(a, b), k
+
+
+def test_gr_processed_file_trains(tmp_path):
+    path = tmp_path / "processed_seqs.csv"
+    write_gr_processed(synthetic_ranking(24, 300, 60, seed=0), path)
+    proc = _run(tmp_path / "run", "data.dataset=kuairand-rank-gr", f"data.path={json.dumps(str(path))}",
+                "train.epochs=1", "train.max_steps=2")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["candidates"] == 240
+
+
+@pytest.mark.parametrize("override, key", [("embedding.kind=hash", "embedding.kind"),
+                                           ("train.accumulate=2", "train.accumulate"),
+                                           ("backend.precision=bf16", "backend.precision"),
+                                           ("data.dataset=ml-1m", "data.dataset")])
+def test_what_ranking_does_not_do_yet_is_refused_by_name(override, key):
+    extra = ["embedding.optimizer=lazy_adam"] if key == "embedding.kind" else []
+    with pytest.raises(ConfigError, match=f"{key}=.*model.task='ranking'"):
+        load_config(PRESET, TINY + extra + [override])
