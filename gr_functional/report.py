@@ -6,7 +6,8 @@ training (their best epoch so far) and on runs made by any backend or machine. I
 an array library.
 
 - ``load_run(path) -> Run``: one run's evaluations, config and timings.
-- ``select_epoch(records)``: the epoch rule of the runner (best validation HR@10, first on ties).
+- ``select_epoch(records, metric)``: the epoch rule of the runner (best validation HR@10, or click
+  AUC for ranking runs; first on ties).
 - ``summary_table(runs, metrics, group_seeds)``: one row per run, or per group of runs that differ
   only in ``train.seed`` (mean +- sample std), with the config keys that differ between rows.
 - ``curve_table(runs, metric, split)``: the metric at every evaluated epoch, one column per run,
@@ -23,6 +24,9 @@ from .errors import ReportError  # noqa: F401 (re-exported)
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
+# model.task = "ranking" (gr_functional/ranking/runner.py): its default columns and epoch rule
+RANKING_METRICS = ("is_click/auc", "is_click/gauc", "is_click/ne", "long_view/auc", "long_view/gauc", "auc", "gauc")
+RANKING_SELECT = "is_click/auc"
 # keys that say how a run was watched, not what it trained: never a reason to tell runs apart
 _BOOKKEEPING = ("train.eval_every", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                 "train.max_bad_steps", "eval.batch_size", "eval.max_users", "data.path")
@@ -63,22 +67,28 @@ class Run:
         """Sum of epoch times: training and evaluation, over every process that ran the run."""
         return float(sum(self.epoch_seconds.values()))
 
+    @property
+    def ranking(self) -> bool:
+        return self.config.get("model.task") == "ranking"
+
     def selected(self) -> dict | None:
         """``{"epoch", metric: test value...}`` of the selected epoch, None before any evaluation."""
-        record = select_epoch(self.evals)
+        record = select_epoch(self.evals, RANKING_SELECT if self.ranking else SELECT_METRIC)
         if record is None or "test" not in record:
             return None
         return {"epoch": record["epoch"], **record["test"]}
 
 
-def select_epoch(records: list) -> dict | None:
-    """The record with the best validation HR@10 (the first of equals); None when none has one.
+def select_epoch(records: list, metric: str = SELECT_METRIC) -> dict | None:
+    """The record with the best validation ``metric`` (HR@10 for retrieval; the first of equals);
+    None when none has one (a ranking metric is None where undefined).
 
     records: ``[{"epoch", "valid": {...}, "test": {...}}]``, the runner's per-epoch history.
     """
     best = None
     for record in records:
-        if "valid" in record and (best is None or record["valid"][SELECT_METRIC] > best["valid"][SELECT_METRIC]):
+        value = record.get("valid", {}).get(metric)
+        if value is not None and (best is None or value > best["valid"][metric]):
             best = record
     return best
 
@@ -233,6 +243,8 @@ def evaluated_metrics(runs: list) -> set:
 def default_metrics(runs: list) -> list:
     """``DEFAULT_METRICS`` that some run evaluated, then the other cut-offs they have (sorted)."""
     known = evaluated_metrics(runs)
+    if runs and all(r.ranking for r in runs):  # every task's metrics would be too many columns
+        return [m for m in RANKING_METRICS if m in known] or list(RANKING_METRICS)
     first = [m for m in DEFAULT_METRICS if m in known]
     return first + sorted(known - set(first)) if known else list(DEFAULT_METRICS)
 

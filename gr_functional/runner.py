@@ -852,6 +852,10 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
         problem = check_config(cfg)
         if problem:
             raise ConfigError(f"--backend {backend}: backend.hstu_kernel={cfg.backend.hstu_kernel!r}: {problem}")
+    if cfg.model.task == "ranking":
+        from .ranking.runner import evaluate_ranking_checkpoint
+
+        return evaluate_ranking_checkpoint(params_np, cfg, meta, split)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)

@@ -150,3 +150,49 @@ def test_what_ranking_does_not_do_yet_is_refused_by_name(override, key):
     extra = ["embedding.optimizer=lazy_adam"] if key == "embedding.kind" else []
     with pytest.raises(ConfigError, match=f"{key}=.*model.task='ranking'"):
         load_config(PRESET, TINY + extra + [override])
+
+
+def test_ranking_steps_agree_between_torch_and_jax():
+    """Three training steps of the preset's (tiny) model from the same init and batches: the
+    torch and JAX trajectories agree (losses and every parameter) to float32 noise."""
+    pytest.importorskip("jax")
+    from gr_functional.ranking.runner import make_ranking_step
+    from gr_functional.runner import make_backend
+    from gr_functional.config import replace
+    from gr_functional.train import init_opt_state
+
+    cfg = load_config(PRESET, TINY)
+    seqs = synthetic_ranking(24, 300, 60, seed=0, min_events=31)
+    batches = list(RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 16, 7).epoch(0))[:3]
+    runs = {}
+    for name in ("torch", "jax"):
+        B = make_backend(replace(cfg, backend={"name": name}))
+        params = B.asarray_tree(init_ranking_params(cfg.ranking, seed=1))
+        opt = init_opt_state(B, params, cfg)
+        step, losses = make_ranking_step(B, cfg), []
+        for batch in batches:
+            params, opt, m = step(params, opt, B.asarray_tree(batch))
+            losses.append(float(m["loss"]))
+            assert bool(m["finite"])
+        runs[name] = losses, B.to_numpy_tree(params)
+    np.testing.assert_allclose(runs["torch"][0], runs["jax"][0], rtol=1e-5)
+    for (k, a), (_, b) in zip(tree_items(runs["torch"][1]), tree_items(runs["jax"][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5, err_msg=k)
+
+
+def test_grf_eval_and_report_read_a_ranking_run(reference):
+    from gr_functional import report
+
+    proc = subprocess.run([sys.executable, "-m", "gr_functional.cli", "eval", "--checkpoint",
+                           str(reference / "checkpoints" / "last.safetensors"), "--out", str(reference / "e.json")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads((reference / "e.json").read_text())
+    last = json.loads((reference / "eval.json").read_text())["last_epoch_test"]
+    assert {k: again[k] for k in last} == last              # the final checkpoint re-evaluated: the same numbers
+    run = report.load_run(reference)
+    evals = {e["epoch"]: e for e in run.evals}
+    best = max(evals, key=lambda e: evals[e]["valid"]["is_click/auc"])
+    assert run.selected()["epoch"] == best
+    assert report.default_metrics([run])[:2] == ["is_click/auc", "is_click/gauc"]
+    assert "is_click/auc" in report.summary_table([run], report.default_metrics([run]))

@@ -28,12 +28,13 @@ from ..errors import CheckpointError, Diverged, NonFiniteState, TrainingAborted
 from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
                      LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, last_healthy,
                      named_hooks)
+from ..report import RANKING_SELECT, select_epoch
 from ..runlock import RunLock
 from ..train import apply_update, init_opt_state
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
 from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss
 
-SELECT = "is_click/auc"
+SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
 
 
@@ -127,14 +128,16 @@ class RankingEvaluation(Evaluation):
                 f"mean AUC {fmt(t['auc'])}")
 
 
-def select_epoch(history: list) -> dict | None:
-    """The record with the best validation ``SELECT`` (the first of equals)."""
-    best = None
-    for record in history:
-        v = record.get("valid", {}).get(SELECT)
-        if v is not None and (best is None or v > best["valid"][SELECT]):
-            best = record
-    return best
+def evaluate_ranking_checkpoint(params_np: dict, cfg: Config, meta: dict, split: str) -> dict:
+    """``grf eval`` of a ranking checkpoint (``runner.evaluate_checkpoint`` checked it)."""
+    from .. import runner
+
+    seqs = load_ranking_data(cfg)
+    B = runner.make_backend(cfg)
+    samples = getattr(chronological_split(seqs, cfg.ranking.num_candidates), split)
+    result = evaluate_samples(B, B.asarray_tree(params_np), cfg, seqs, samples)
+    return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"), "epoch": meta.get("epoch"),
+            "dataset": cfg.data.dataset, "task": "ranking"}
 
 
 def train_ranking(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
@@ -247,7 +250,7 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
     history = state.history
     if not history:
         raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
-    best = select_epoch(history) or history[-1]
+    best = select_epoch(history, SELECT) or history[-1]
     last = history[-1]
     result = {**best.get("test", {}), "epoch": best["epoch"], "selected_by": f"best valid {SELECT}",
               "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": cfg.data.dataset,
