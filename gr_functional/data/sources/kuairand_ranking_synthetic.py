@@ -58,10 +58,12 @@ def _solve_offset(score: np.ndarray, rate: float) -> float:
 
 def synthetic_ranking(num_users: int = 1000, num_items: int = 20000, max_events: int = 256, zipf_a: float = 1.05,
                       seed: int = 0, rates: dict | None = None, user_features=None,
-                      min_events: int = 31) -> RankingSequences:
+                      min_events: int = 31, truth: bool = False) -> RankingSequences:
     """``num_users`` users (ids 0..num_users-1) with ``min_events``..``max_events`` events each
     over videos 0..num_items-1. ``user_features``: a ``FeatureTable`` of KuaiRand users (default:
-    the official Pure file under GRF_DATA_DIR). ``rates``: overrides of ``ACTION_RATES``."""
+    the official Pure file under GRF_DATA_DIR). ``rates``: overrides of ``ACTION_RATES``.
+    ``truth``: also put each event's true probability of each action in ``columns["p_<action>"]``
+    (float64; the ceiling a model can reach: ``benchmarks`` and the README quote its AUC)."""
     rates = {**ACTION_RATES, **(rates or {})}
     unknown = sorted(set(rates) - set(ACTION_RATES))
     if unknown:
@@ -98,10 +100,13 @@ def synthetic_ranking(num_users: int = 1000, num_items: int = 20000, max_events:
     pref = (p_user[owner] * np.sqrt(1 - 0.3 * frac) + drift[owner] * np.sqrt(0.3 * frac))
     z = np.einsum("nd,nd->n", pref, q_item[video]) / np.sqrt(_LATENT) + bias[owner]
 
+    probs = {}
+
     def draw(name: str, extra: np.ndarray) -> np.ndarray:
         score = _SLOPE.get(name, 1.0) * z + extra
         c = _solve_offset(score, rates[name])
-        return rng.random(n) < 1.0 / (1.0 + np.exp(-(c + score)))
+        probs[name] = 1.0 / (1.0 + np.exp(-(c + score)))
+        return rng.random(n) < probs[name]
 
     click = draw("is_click", np.zeros(n))
     lift = _CLICK_LIFT * click
@@ -124,4 +129,7 @@ def synthetic_ranking(num_users: int = 1000, num_items: int = 20000, max_events:
         time[s:e] = _START_MS + np.cumsum(gaps[s:e]).astype(np.int64)
     columns = {"video_id": video.astype(np.int64), "time_ms": time, "action_weights": bitmask,
                "play_time_ms": play.astype(np.int64), "duration_ms": duration}
+    if truth:
+        # the engagements' probabilities given the click that was drawn; a click's own is unconditional
+        columns.update({f"p_{name}": p for name, p in probs.items()})
     return RankingSequences(np.arange(num_users, dtype=np.int64), offsets, columns, context)
