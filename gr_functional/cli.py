@@ -206,7 +206,8 @@ BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "thr
               "profile": "benchmarks.profile",
               "balance": "benchmarks.balance", "calibrate": "benchmarks.calibrate",
               "dist_imbalance": "benchmarks.dist_imbalance", "embedding": "benchmarks.embedding",
-              "pipeline": "benchmarks.pipeline", "negatives": "benchmarks.negatives", "stream": "benchmarks.stream"}
+              "pipeline": "benchmarks.pipeline", "negatives": "benchmarks.negatives", "stream": "benchmarks.stream",
+              "scaling": "benchmarks.scaling"}
 
 
 def cmd_bench(args) -> int:

@@ -118,3 +118,42 @@ def test_stream_bench_json(capsys):
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 < r["host_share"] < 1 and r["peak_rss_mb"] >= r["rss_mb"] > 0
         assert 0 < r["unique_per_step"] <= r["ids_per_step"] and r["bytes_after"] == r["unique_per_step"] * 64
+
+
+def test_sharded_stream_bench_on_two_ranks():
+    """The 0.2B preset's path, shrunk: two gloo ranks, the hash table row-sharded over them and
+    full (evicting), all-to-all and all-reduce bytes counted, model FLOPs over the ranks' peak."""
+    from benchmarks import stream
+    from gr_functional.config import load_config
+
+    sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
+            "model.num_heads=1", "embedding.capacity=600", "loss.num_negatives=32", "train.batch_size=8",
+            "train.log_every=2"]
+    rows = stream.run(cfg=load_config("experiments/configs/kuairand27k_02b.toml", sets), steps=4)
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["ranks"] == 2 and r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["alltoall_mb_per_step"] > 0
+        assert r["allreduce_mb_per_step"] * 2**20 == 4 * r["params"]["dense"] and r["imbalance"] >= 0
+        assert len(r["peak_rss_mb"]) == 2 and r["peak_rss_mb_max"] == max(r["peak_rss_mb"]) > 0
+    assert rows[-1]["occupancy"] == rows[-1]["capacity"] == 600 and rows[-1]["evictions"] > 0
+    assert rows[-1]["params"]["table"] == 600 * 16
+
+
+def test_scaling_bench_byte_model_and_projection():
+    """The cost model's all-to-all bytes match the ranks' counted ones (timings are not asserted:
+    they depend on the machine's load); the projection covers both hardware presets."""
+    from benchmarks import scaling
+    from gr_functional.config import load_config
+
+    sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
+            "model.num_heads=1", "embedding.capacity=5000", "loss.num_negatives=32", "train.batch_size=4"]
+    rows = scaling.run(cfg=load_config("experiments/configs/kuairand27k_02b.toml", sets), steps=2, ranks=(1, 2),
+                       project=(8, 16))
+    valid = [r for r in rows if r["section"] == "validation"]
+    assert [r["ranks"] for r in valid] == [1, 2] and valid[0]["measured_alltoall_bytes"] == 0
+    assert abs(valid[1]["bytes_error"]) < 0.1 and valid[1]["collectives_per_step"] >= 4
+    proj = [r for r in rows if r["section"] == "projection"]
+    assert {r["hardware"] for r in proj} == set(scaling.HARDWARE) and len(proj) == 2 * 3
+    for r in proj:
+        assert 0 < r["efficiency_serial"] <= 1 and 0 < r["efficiency_overlapped"] <= 1
+        assert (r["comm_s"] == 0) == (r["ranks"] == 1)

@@ -24,7 +24,7 @@ import numpy as np
 from ..checkpoint import CheckpointDir, atomic_write_bytes
 from ..config import Config, config_to_toml
 from ..data.prefetch import PrefetchStats
-from ..errors import CheckpointError, Diverged, NonFiniteState, TrainingAborted
+from ..errors import CheckpointError, ConfigError, Diverged, NonFiniteState, TrainingAborted
 from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
                      LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, last_healthy,
                      named_hooks)
@@ -32,7 +32,7 @@ from ..report import RANKING_SELECT, select_epoch
 from ..runlock import RunLock
 from ..train import apply_update, init_opt_state
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
-from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss
+from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss, ranking_param_shapes
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
@@ -140,10 +140,34 @@ def evaluate_ranking_checkpoint(params_np: dict, cfg: Config, meta: dict, split:
             "dataset": cfg.data.dataset, "task": "ranking"}
 
 
+def check_ranking_fits(cfg: Config) -> int:
+    """``ConfigError`` naming the key to change when the parameters, their gradients and AdamW's
+    two moments (16 bytes per parameter, the tables dominating: GR's defaults hold 7 tables of 10M
+    rows, 70M x 256 x 16 B = 287 GB) exceed the available memory; returns that byte count.
+    Activations are left out (small at these widths next to the tables)."""
+    from ..memory import ENV_LIMIT, available_bytes
+    from .model import _feature_sizes
+
+    mc = cfg.ranking
+    shapes = ranking_param_shapes(mc)
+    need = 16 * sum(int(np.prod(s)) for s in shapes.values())
+    avail, source = available_bytes()
+    if avail is None or need <= avail:
+        return need
+    sizes = _feature_sizes(mc)
+    key = "ranking.video_table" if sizes["video_id"] >= max(sizes.values()) else "ranking.context_tables"
+    raise ConfigError(f"{key}: the ranking model's parameters, gradients and AdamW moments need ~{need / 1e9:.1f} GB "
+                      f"(tables of {sum(sizes.values()):,} rows x ranking.embed_dim={mc.embed_dim}) but {avail / 1e9:.1f} GB "
+                      f"is available ({source}); size the id tables to the data (ids index them modulo their "
+                      f"sizes), e.g. ranking.video_table = the number of videos ({ENV_LIMIT} overrides the available "
+                      f"figure)")
+
+
 def train_ranking(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
     """``runner.train`` for the ranking task (same arguments, files and guarantees)."""
     from .. import runner
 
+    check_ranking_fits(cfg)
     out = Path(out_dir)
     seqs = load_ranking_data(cfg)
     splits = chronological_split(seqs, cfg.ranking.num_candidates)

@@ -173,12 +173,27 @@ def test_the_projects_experiment_configs_fit_20_gb(backend, monkeypatch):
     cache = {}
     for path in CONFIGS:
         cfg = load_config(path, [f"backend.name={backend}"])
+        if cfg.model.task == "ranking":  # its own check: test_ranking_estimate
+            continue
         key = (cfg.data.dataset, cfg.data.path, cfg.data.synthetic_items)
         if key not in cache:
             cache[key] = load_sequences(cfg)
         cfg = resolve(cfg, cache[key])
         items = memory.check_fits(cfg, cache[key])
         assert memory.peak(items) < 8e9, (path.name, memory.peak(items))
+
+
+def test_ranking_estimate(monkeypatch):
+    """The ranking preset fits 20 GB; GR's default tables (7 x 10M rows, hundreds of GB with AdamW)
+    are refused before anything is allocated, naming the key."""
+    from gr_functional.ranking.runner import check_ranking_fits
+
+    monkeypatch.setenv(memory.ENV_LIMIT, "20e9")
+    preset = load_config(ROOT / "experiments" / "configs" / "kuairand_rank.toml")
+    assert check_ranking_fits(preset) < 1e9
+    gr = load_config(None, ["model.task=ranking", "data.dataset=kuairand-rank-synthetic"])
+    with pytest.raises(ConfigError, match=r"ranking.video_table: .* need ~[0-9.]+ GB .* but 20.0 GB is available"):
+        check_ranking_fits(gr)
 
 
 def test_constants_match_the_backends():
