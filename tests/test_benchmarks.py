@@ -155,5 +155,6 @@ def test_scaling_bench_byte_model_and_projection():
     proj = [r for r in rows if r["section"] == "projection"]
     assert {r["hardware"] for r in proj} == set(scaling.HARDWARE) and len(proj) == 2 * 3
     for r in proj:
-        assert 0 < r["efficiency_serial"] <= 1 and 0 < r["efficiency_overlapped"] <= 1
-        assert (r["comm_s"] == 0) == (r["ranks"] == 1)
+        for key in ("device_serial", "device_overlapped", "host_serial", "host_overlapped"):
+            assert 0 < r[f"efficiency_{key}"] <= 1
+        assert (r["comm_s"] == 0) == (r["ranks"] == 1) and r["tokens_per_rank"] == scaling.PROJECT_TOKENS
