@@ -613,8 +613,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
 RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log")
 # what the ranking task does not do yet: (section, key, value it must keep, why)
 _RANKING_REFUSES = (
-    ("embedding", "kind", "dense", "its tables are dense so far (hash tables in the ranking model: README \"Ranking\")"),
-    ("embedding", "optimizer", "adamw", "its tables are updated by AdamW so far"),
     ("embedding", "sharding", "replicated", "it trains in one process so far"),
     ("embedding", "staleness", 0, "its sparse updates are synchronous so far"),
     ("train", "accumulate", 1, "gradient accumulation is not wired into the ranking step yet"),
@@ -632,6 +630,15 @@ def _validate_ranking(cfg: Config, fail) -> None:
     for section, key, keep, why in _RANKING_REFUSES:
         if getattr(getattr(cfg, section), key) != keep:
             fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")
+    emb = cfg.embedding
+    if emb.kind == "dense" and emb.optimizer != "adamw":
+        fail("embedding", "optimizer", "model.task='ranking' updates dense tables with AdamW; the row-sparse "
+                                       "optimizers come with embedding.kind='hash' (ranking/sparse.py)")
+    if emb.kind == "hash" and not cfg.ranking.merge_tables:
+        fail("ranking", "merge_tables", "embedding.kind='hash' keeps every id feature in one hash table: set "
+                                        "ranking.merge_tables=true")
+    if emb.kind == "hash" and emb.init == "dense":
+        fail("embedding", "init", "model.task='ranking' starts hash rows from hashed_init: set embedding.init='hashed'")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

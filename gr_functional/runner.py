@@ -389,9 +389,9 @@ def check_param_shapes(ck: Checkpoint) -> None:
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
     cfg = ck.config
     if cfg.model.task == "ranking":
-        from .ranking.model import ranking_param_shapes
+        from .ranking.runner import param_shapes
 
-        expected = ranking_param_shapes(cfg.ranking)
+        expected = param_shapes(cfg)
     else:
         expected = model.param_shapes(cfg.model, table_items(cfg))
     if "shards" in ((ck.host or {}).get("embedding") or {}):
@@ -855,7 +855,7 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     if cfg.model.task == "ranking":
         from .ranking.runner import evaluate_ranking_checkpoint
 
-        return evaluate_ranking_checkpoint(params_np, cfg, meta, split)
+        return evaluate_ranking_checkpoint(params_np, cfg, meta, split, ck.host)
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     B = make_backend(cfg)

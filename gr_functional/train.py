@@ -106,10 +106,7 @@ def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
     gradient is 1/l2_eps times the incoming one, which overflows fp16 although the row is never
     updated."""
     if batch.lookup is not None and TABLE in params:
-        xp = B.xp
-        rows = params[TABLE]
-        keep = xp.reshape(batch.lookup.touched, (-1, 1))
-        params = {**params, TABLE: xp.where(keep, rows, B.stop_gradient(rows))}
+        params = untouched_frozen(B, params, batch.lookup)
     precision = cfg.backend.precision
     if precision == "fp32":
         loss = model.loss_fn(B, params, batch, cfg.model, loss=cfg.loss)
@@ -119,6 +116,15 @@ def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
                              _cast_batch(B, batch, P.compute_dtype_name), cfg.model, loss=cfg.loss)
         loss = B.cast(loss, B.dtype_name)
     return (loss if scale is None else loss * scale), loss
+
+
+def untouched_frozen(B, view: dict, lookup) -> dict:
+    """``view`` (``local_params``) with the rows ``lookup`` did not touch cut from the gradient
+    (``_loss`` says why)."""
+    xp = B.xp
+    rows = view[TABLE]
+    keep = xp.reshape(lookup.touched, (-1, 1))
+    return {**view, TABLE: xp.where(keep, rows, B.stop_gradient(rows))}
 
 
 def micro_grads(B, params: dict, opt_state: dict, batch: HSTUBatch, cfg: Config):

@@ -142,14 +142,16 @@ def test_gr_processed_file_trains(tmp_path):
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["candidates"] == 240
 
 
-@pytest.mark.parametrize("override, key", [("embedding.kind=hash", "embedding.kind"),
-                                           ("train.accumulate=2", "train.accumulate"),
-                                           ("backend.precision=bf16", "backend.precision"),
-                                           ("data.dataset=ml-1m", "data.dataset")])
-def test_what_ranking_does_not_do_yet_is_refused_by_name(override, key):
-    extra = ["embedding.optimizer=lazy_adam"] if key == "embedding.kind" else []
-    with pytest.raises(ConfigError, match=f"{key}=.*model.task='ranking'"):
-        load_config(PRESET, TINY + extra + [override])
+@pytest.mark.parametrize("overrides, key", [
+    (["embedding.sharding=row", "embedding.optimizer=lazy_adam"], "embedding.sharding"),
+    (["embedding.optimizer=lazy_adam"], "embedding.optimizer"),                  # a dense table, row-sparse
+    (["embedding.kind=hash", "embedding.optimizer=lazy_adam", "ranking.merge_tables=false"], "ranking.merge_tables"),
+    (["train.accumulate=2"], "train.accumulate"),
+    (["backend.precision=bf16"], "backend.precision"),
+    (["data.dataset=ml-1m"], "data.dataset")])
+def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
+    with pytest.raises(ConfigError, match=f"{key}=.*(model.task='ranking'|hash)"):
+        load_config(PRESET, TINY + overrides)
 
 
 def test_ranking_steps_agree_between_torch_and_jax():
@@ -196,3 +198,81 @@ def test_grf_eval_and_report_read_a_ranking_run(reference):
     assert run.selected()["epoch"] == best
     assert report.default_metrics([run])[:2] == ["is_click/auc", "is_click/gauc"]
     assert "is_click/auc" in report.summary_table([run], report.default_metrics([run]))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "jax"])
+def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
+    """ranking/sparse.py: a batch rewritten to local ids over the step's hash rows, rows holding
+    the dense table's values, gives the dense model's loss, the same gradient of every dense
+    parameter, and per looked-up row the dense table's gradient at that id's row."""
+    pytest.importorskip(backend_name)
+    from gr_functional.config import replace
+    from gr_functional.ranking import sparse
+    from gr_functional.ranking.model import ranking_loss, table_plan
+    from gr_functional.ranking.runner import make_host
+    from gr_functional.runner import make_backend
+    from gr_functional.train import TABLE, local_params
+
+    cfg = load_config(PRESET, TINY + ["embedding.kind=hash", "embedding.optimizer=lazy_adam",
+                                      "embedding.capacity=4000", f"backend.name={backend_name}"])
+    B = make_backend(cfg)
+    mc = cfg.ranking
+    seqs = synthetic_ranking(24, 300, 60, seed=0, min_events=31)
+    batch = next(RankingLoader(seqs, chronological_split(seqs, 10).train, mc, 16, 7).epoch(0))
+    dense = init_ranking_params(mc, seed=1)
+    (group,) = table_plan(mc)
+    host = make_host(cfg)
+    sparse.prepare(host, batch, 1)                              # inserts every key
+    local, stats = sparse.prepare(host, batch, 2)               # now all hits: rows read the table
+    assert not np.asarray(local.lookup.fresh).any() and stats.unique < stats.ids
+    hashed = {k: v for k, v in dense.items() if k != "tables"}
+    keys = np.unique(np.concatenate([np.ravel(a) for a in sparse.batch_keys(batch)]))
+    table = np.zeros((host.rows, mc.embed_dim), np.float32)
+    n = len(keys)                                               # the lookup's rows are padded past 1 + n
+    table[np.asarray(local.lookup.rows)[1:1 + n]] = dense["tables"][group.name][keys]
+    hashed[TABLE] = table
+
+    def dense_loss(p, b):
+        return ranking_loss(B, p, b, mc)[0]
+
+    def hash_loss(view, b):
+        return ranking_loss(B, sparse.model_params(view, mc), b, mc)[0]
+
+    ld, gd = B.value_and_grad(dense_loss)(B.asarray_tree(dense), B.asarray_tree(batch))
+    params = B.asarray_tree(hashed)
+    dev = B.asarray_tree(local)
+    view = local_params(B, params, dev.lookup)
+    lh, gh = B.value_and_grad(hash_loss)(view, dev)
+    np.testing.assert_allclose(float(lh), float(ld), rtol=1e-6)
+    gd, gh = B.to_numpy_tree(gd), B.to_numpy_tree(gh)
+    for (k, a), (_, b) in zip(tree_items({k: v for k, v in gd.items() if k != "tables"}),
+                              tree_items({k: v for k, v in gh.items() if k != TABLE})):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(gh[TABLE][1:1 + n], gd["tables"][group.name][keys], rtol=1e-5, atol=1e-7)
+    assert np.abs(gh[TABLE][1:1 + n]).sum() > 0 and not gh[TABLE][1 + n:].any()
+
+
+HASHED = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=150", "embedding.lr=0.001"]
+
+
+def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch):
+    """A hash table far below the keys (150 rows for ~235 keys): it fills and evicts (counters in
+    metrics.jsonl), and a run SIGKILLed mid-epoch resumes to the same bytes, table state included."""
+    from tests.reliability import test_resume
+
+    ref = tmp_path / "ref"
+    proc = _run(ref, *HASHED)
+    assert proc.returncode == 0, proc.stderr
+    last = [m for m in metrics(ref) if m["kind"] == "train"][-1]["embedding"]["table"]
+    assert last["occupancy"] == 150 and last["evictions"] > 0
+    out = tmp_path / "run"
+    monkeypatch.setattr(test_resume, "grf_command", lambda out, *extra: _command(out, *HASHED, *extra))
+    test_resume._run_until_fault(out, "after-step@7")
+    proc = _run(out, *HASHED)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming" in proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    ck, want = (read_checkpoint(CheckpointDir(o / "checkpoints").steps()[0][1]) for o in (out, ref))
+    for (k, a), (_, b) in zip(tree_items({"p": ck.params, "o": ck.opt_state, "h": ck.host}),
+                              tree_items({"p": want.params, "o": want.opt_state, "h": want.host})):
+        assert np.array_equal(a, b), k

@@ -178,9 +178,9 @@ class EmbeddingHost:
     a given sequence of steps.
     """
 
-    def __init__(self, cfg: Config, num_items: int, dense_rows: np.ndarray | None = None):
+    def __init__(self, cfg: Config, num_items: int, dense_rows: np.ndarray | None = None, dim: int | None = None):
         e = cfg.embedding
-        self.kind, self.dim, self.seed = e.kind, cfg.model.embed_dim, cfg.train.seed
+        self.kind, self.dim, self.seed = e.kind, dim or cfg.model.embed_dim, cfg.train.seed
         self.num_items = num_items
         self.sparse = e.optimizer != "adamw"
         self.init = e.init

@@ -150,6 +150,7 @@ class RankingBatch:
     cand_mask: Any
     keep_input: Any = None
     keep_layers: Any = None
+    lookup: Any = None      # hash tables (ranking/sparse.py): the step's rows; ids above are then local
 
 
 def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
@@ -272,12 +273,13 @@ def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
 
 
 def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
-                     scorer=None, on_batch=None) -> dict:
+                     scorer=None, on_batch=None, transform=None) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
     ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
     attention divides by the batch's longest sequence, so a user's logits depend on its batch-mates:
-    ``batch_size`` (GR: 16) is part of the evaluation protocol."""
+    ``batch_size`` (GR: 16) is part of the evaluation protocol. ``transform(batch)``, if given,
+    rewrites each host batch before scoring (hash tables: ids to rows)."""
     from ..data.ranking_metrics import task_metrics
 
     logits, labels, owners = [], [], []
@@ -285,7 +287,7 @@ def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batc
     for s in range(0, len(users), batch_size):
         chunk = list(users[s:s + batch_size])
         batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size])
-        logits.append(B.to_numpy(score(params, B.asarray_tree(batch))))
+        logits.append(B.to_numpy(score(params, B.asarray_tree(batch if transform is None else transform(batch)))))
         if on_batch is not None:
             on_batch()
         labels.append(batch.labels)

@@ -26,11 +26,12 @@ from ..config import Config, config_to_toml
 from ..data.prefetch import PrefetchStats
 from ..errors import CheckpointError, ConfigError, Diverged, NonFiniteState, TrainingAborted
 from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
-                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, last_healthy,
-                     named_hooks)
+                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, _lookup_record,
+                     last_healthy, named_hooks)
 from ..report import RANKING_SELECT, select_epoch
 from ..runlock import RunLock
-from ..train import apply_update, init_opt_state
+from ..train import TABLE, apply_update, init_opt_state, local_params, untouched_frozen
+from . import sparse
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
 from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss, ranking_param_shapes
 
@@ -39,8 +40,10 @@ SUMMARY = ("auc", "gauc", "ne")
 
 
 def make_ranking_step(B, cfg: Config):
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``: one guarded AdamW step
-    on a ``RankingBatch`` (metrics as ``train.train_step``'s; ``tokens`` = candidates)."""
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``: one guarded step on a
+    ``RankingBatch`` (metrics as ``train.train_step``'s; ``tokens`` = candidates): AdamW on every
+    parameter, or with hash tables (ranking/sparse.py) AdamW on the dense ones and the row-sparse
+    optimizer on the step's rows (``batch.lookup``)."""
     mc = cfg.ranking
 
     def loss_only(params, batch):
@@ -51,14 +54,44 @@ def make_ranking_step(B, cfg: Config):
         loss, grads = B.value_and_grad(loss_only)(params, batch)
         return apply_update(B, params, opt_state, loss, B.xp.sum(batch.cand_mask), grads, cfg)
 
-    return B.jit(step)
+    def hashed_loss(view, batch):
+        return loss_only(sparse.model_params(untouched_frozen(B, view, batch.lookup), mc), batch)
+
+    def hashed_step(params, opt_state, batch):
+        view = local_params(B, params, batch.lookup)
+        loss, grads = B.value_and_grad(hashed_loss)(view, batch)
+        return apply_update(B, params, opt_state, loss, B.xp.sum(batch.cand_mask), grads, cfg, lookup=batch.lookup,
+                            view=view)
+
+    return B.jit(hashed_step if sparse.hashed(cfg) else step)
+
+
+def make_host(cfg: Config):
+    """The hash table's ``EmbeddingHost`` (None without hash tables): one table over the virtual
+    merged table's rows (ranking/sparse.py)."""
+    if not sparse.hashed(cfg):
+        return None
+    from ..embedding.lookup import EmbeddingHost
+    from .model import table_plan
+
+    (group,) = table_plan(cfg.ranking)
+    return EmbeddingHost(cfg, group.rows - 1, dim=cfg.ranking.embed_dim)
+
+
+def init_params(cfg: Config, host) -> dict:
+    """numpy parameters of a fresh run (dense tables, or hash mode's)."""
+    if host is None:
+        return init_ranking_params(cfg.ranking, seed=cfg.train.seed)
+    return sparse.init_hashed_params(cfg.ranking, host.rows, cfg.train.seed)
 
 
 class RankingSteps:
-    """One optimizer step per loader batch (the runner's ``steps`` protocol)."""
+    """One optimizer step per loader batch (the runner's ``steps`` protocol). With a hash table,
+    ``host`` maps each step's ids to rows on the main thread, in step order (a checkpoint holds
+    the table state of the last trained step)."""
 
-    def __init__(self, B, cfg: Config, loader: RankingLoader):
-        self.B, self.loader, self.prefetch = B, loader, cfg.train.prefetch
+    def __init__(self, B, cfg: Config, loader: RankingLoader, host=None):
+        self.B, self.loader, self.prefetch, self.host = B, loader, cfg.train.prefetch, host
         self.prefetch_stats = PrefetchStats()
         self.fn = make_ranking_step(B, cfg)
 
@@ -67,8 +100,11 @@ class RankingSteps:
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         (batch,) = micro
+        tokens, stats = batch.layout.num_tokens(), None
+        if self.host is not None:
+            batch, stats = sparse.prepare(self.host, batch, step)
         params, opt_state, m = self.fn(params, opt_state, self.B.asarray_tree(batch))
-        return params, opt_state, StepResult(step, epoch, m, batch.layout.num_tokens())
+        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=_lookup_record(self.host, stats))
 
 
 def summarise(metrics: dict) -> dict:
@@ -93,10 +129,18 @@ def summarise(metrics: dict) -> dict:
     return out
 
 
-def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batch=None) -> dict:
+def make_scorer(B, cfg: Config):
+    """``logits = scorer(params, batch)`` [c, K] of the run's parameter tree (hash mode's too)."""
+    mc = cfg.ranking
+    if sparse.hashed(cfg):
+        return B.jit(lambda p, b: ranking_logits(B, sparse.model_params(p, mc), b, mc))
+    return B.jit(lambda p, b: ranking_logits(B, p, b, mc))
+
+
+def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batch=None, host=None) -> dict:
     """``summarise`` of the model on ``samples`` (ranking/data.Samples); ``Diverged`` when a
-    logit is not finite."""
-    score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg.ranking))
+    logit is not finite. ``host``: the hash table's (ids read rows without inserting)."""
+    score = scorer or make_scorer(B, cfg)
     checked = []
 
     def finite_scorer(p, b):
@@ -106,20 +150,22 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
             raise Diverged("non-finite ranking logits")
         return logits
 
+    transform = None if host is None else (lambda b: sparse.eval_rows(host, b))
     return summarise(evaluate_ranking(B, params, seqs, samples.users, cfg.ranking, cfg.eval.batch_size,
-                                      ends=samples.ends, scorer=finite_scorer, on_batch=on_batch))
+                                      ends=samples.ends, scorer=finite_scorer, on_batch=on_batch, transform=transform))
 
 
 class RankingEvaluation(Evaluation):
     """Validation and test metrics every ``train.eval_every`` epochs and after the last
     (``hooks.Evaluation`` with the ranking samples and metrics)."""
 
-    def __init__(self, seqs, splits, scorer, ckdir):
+    def __init__(self, seqs, splits, scorer, ckdir, host=None):
         super().__init__(None, splits, None, scorer, ckdir)
-        self.seqs = seqs
+        self.seqs, self.host = seqs, host
 
     def evaluate_split(self, run: Run, params, host, name: str) -> dict:
-        return evaluate_samples(run.B, params, run.cfg, self.seqs, getattr(self.splits, name), self.scorer)
+        return evaluate_samples(run.B, params, run.cfg, self.seqs, getattr(self.splits, name), self.scorer,
+                                host=self.host)
 
     def summary(self, record: dict) -> str:
         v, t = record["valid"], record["test"]
@@ -128,16 +174,30 @@ class RankingEvaluation(Evaluation):
                 f"mean AUC {fmt(t['auc'])}")
 
 
-def evaluate_ranking_checkpoint(params_np: dict, cfg: Config, meta: dict, split: str) -> dict:
+def evaluate_ranking_checkpoint(params_np: dict, cfg: Config, meta: dict, split: str, host_state=None) -> dict:
     """``grf eval`` of a ranking checkpoint (``runner.evaluate_checkpoint`` checked it)."""
     from .. import runner
 
     seqs = load_ranking_data(cfg)
     B = runner.make_backend(cfg)
     samples = getattr(chronological_split(seqs, cfg.ranking.num_candidates), split)
-    result = evaluate_samples(B, B.asarray_tree(params_np), cfg, seqs, samples)
+    host = make_host(cfg)
+    if host is not None:
+        host.load_state_dict(host_state["embedding"])
+    result = evaluate_samples(B, B.asarray_tree(params_np), cfg, seqs, samples, host=host)
     return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"), "epoch": meta.get("epoch"),
             "dataset": cfg.data.dataset, "task": "ranking"}
+
+
+def param_shapes(cfg: Config) -> dict:
+    """``{path: shape}`` of the run's parameters (checkpoint checks, the memory check)."""
+    shapes = ranking_param_shapes(cfg.ranking)
+    if not sparse.hashed(cfg):
+        return shapes
+    host = make_host(cfg)
+    shapes = {k: v for k, v in shapes.items() if not k.startswith("tables.")}
+    shapes[TABLE] = (host.rows, cfg.ranking.embed_dim)
+    return shapes
 
 
 def check_ranking_fits(cfg: Config) -> int:
@@ -149,13 +209,18 @@ def check_ranking_fits(cfg: Config) -> int:
     from .model import _feature_sizes
 
     mc = cfg.ranking
-    shapes = ranking_param_shapes(mc)
+    shapes = param_shapes(cfg)
     need = 16 * sum(int(np.prod(s)) for s in shapes.values())
     avail, source = available_bytes()
     if avail is None or need <= avail:
         return need
     sizes = _feature_sizes(mc)
     key = "ranking.video_table" if sizes["video_id"] >= max(sizes.values()) else "ranking.context_tables"
+    if sparse.hashed(cfg):
+        raise ConfigError(f"embedding.capacity={cfg.embedding.capacity}: the ranking model's parameters, gradients and "
+                          f"optimizer state need ~{need / 1e9:.1f} GB but {avail / 1e9:.1f} GB is available ({source}); "
+                          f"lower embedding.capacity (hash rows) or ranking.embed_dim ({ENV_LIMIT} overrides the "
+                          f"available figure)")
     raise ConfigError(f"{key}: the ranking model's parameters, gradients and AdamW moments need ~{need / 1e9:.1f} GB "
                       f"(tables of {sum(sizes.values()):,} rows x ranking.embed_dim={mc.embed_dim}) but {avail / 1e9:.1f} GB "
                       f"is available ({source}); size the id tables to the data (ids index them modulo their "
@@ -210,9 +275,12 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
             ev["moved_to"] = str(ckdir.set_aside(Path(ev["file"])))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+    host = make_host(cfg)
     if restored is not None:
         params = B.asarray_tree(restored.params)
         opt_state = B.asarray_tree(restored.opt_state)
+        if host is not None:
+            host.load_state_dict(((restored.host or {}).get("embedding")) or runner._missing_host(restored))
         state = runner.RunState.from_meta(restored.meta["run"])
         log = runner.JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines)
         timing = runner.JsonLog(out / "timing.jsonl", append=True)
@@ -220,7 +288,7 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
             f"{loader.position[1]}; pass --fresh to start over")
         events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
     else:
-        params = B.asarray_tree(init_ranking_params(cfg.ranking, seed=cfg.train.seed))
+        params = B.asarray_tree(init_params(cfg, host))
         opt_state = init_opt_state(B, params, cfg)
         state = runner.RunState()
         log = runner.JsonLog(out / "metrics.jsonl")
@@ -229,7 +297,7 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
     for ev in events:
         timing.write({**ev, "time": time.time()})
     tc = cfg.train
-    steps = RankingSteps(B, cfg, loader)
+    steps = RankingSteps(B, cfg, loader, host)
     epoch, start = loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None
@@ -250,7 +318,8 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
                 "rng": {"generator": "numpy default_rng((train.seed, epoch[, batch]))", "seed": tc.seed,
                         "position": list(loader.position)}, "world_size": 1}
         try:
-            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta)
+            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta,
+                              host=None if host is None else {"embedding": host.state_dict()})
         except NonFiniteState as exc:
             raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
         timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
@@ -263,9 +332,9 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
     run = Run(cfg=cfg, out=out, B=B, comm=LocalComm(), state=state, log=log, timing=timing, loader=loader,
               save=save, echo=bar.write, bar=bar, params=params, opt_state=opt_state,
               run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
-    scorer = B.jit(lambda p, b: ranking_logits(B, p, b, cfg.ranking))
     hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(),
-             RankingEvaluation(seqs, splits, scorer, ckdir), EpochHistory(), EpochTiming(), EpochCheckpoint()]
+             RankingEvaluation(seqs, splits, make_scorer(B, cfg), ckdir, host), EpochHistory(), EpochTiming(),
+             EpochCheckpoint()]
     if tc.tensorboard:
         hooks.append(TensorBoard(out))
     hooks += user_hooks
