@@ -610,7 +610,7 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
 
 
 # ranking datasets (gr_functional/ranking/data.py DATASETS; listed here: that module imports numpy)
-RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log")
+RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log", "kuairand-rank-stream")
 # what the ranking task does not do yet: (section, key, value it must keep, why)
 _RANKING_REFUSES = (
     ("embedding", "sharding", "replicated", "it trains in one process so far"),

@@ -276,3 +276,35 @@ def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch):
     for (k, a), (_, b) in zip(tree_items({"p": ck.params, "o": ck.opt_state, "h": ck.host}),
                               tree_items({"p": want.params, "o": want.opt_state, "h": want.host})):
         assert np.array_equal(a, b), k
+
+
+def test_the_27k_ranking_stream_is_real_where_it_can_be():
+    """Lengths and per-user click rates are KuaiRand-27K's, context rows the official users'; a
+    user's events are a pure function of (seed, user); nothing is materialised."""
+    from gr_functional.data.sources.kuairand_features import load_kuairand_features
+    from gr_functional.data.sources.kuairand_ranking import appearance_codes
+    from gr_functional.data.sources.kuairand_ranking_stream import KuaiRandRankingStream, user_stats
+
+    lengths, ctr = user_stats()
+    assert len(lengths) == 27_285 and int(lengths.sum()) == 322_278_385
+    s = KuaiRandRankingStream(num_users=400, seed=5)
+    assert s.lengths.tolist() == lengths[:400].tolist() and s.offsets[-1] == lengths[:400].sum()
+    feats = load_kuairand_features(kind="user")
+    for c in s.context:
+        assert s.context[c].tolist() == appearance_codes(feats.categorical[c][0])[:400].tolist()
+    a = s.sequence(7)
+    again = KuaiRandRankingStream(num_users=400, seed=5).sequence(7)
+    assert all(np.array_equal(a[k], again[k]) for k in a) and len(a["video_id"]) == lengths[7]
+    assert 1 <= a["video_id"].min() and a["video_id"].max() <= 32_038_725
+    rates = np.asarray([np.mean(s.sequence(u)["action_weights"] & 1) for u in range(0, 400, 4)])
+    err = rates - ctr[:400:4]
+    assert abs(err.mean()) < 0.01 and np.abs(err).max() < 0.2      # each user's click rate tracks its real one
+
+
+def test_ranking_trains_on_the_27k_stream_with_hash_tables(tmp_path):
+    proc = _run(tmp_path / "run", "data.dataset=kuairand-rank-stream", "data.synthetic_users=24",
+                "data.synthetic_max_events=60", "ranking.video_table=40000000", *HASHED[:2],
+                "embedding.capacity=2000", "train.epochs=1", "train.max_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert result["candidates"] == 240 and result["steps"] == 3

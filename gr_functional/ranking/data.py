@@ -7,6 +7,9 @@ Datasets (``data.dataset``):
   kuairand-rank-gr         GR's processed_seqs.csv (data.path), as GR's KuaiRand preprocessor writes it
   kuairand-rank-log        an official KuaiRand log (data.path, e.g. log_standard_4_08_to_4_21_1k.csv)
                            joined with the official user feature file
+  kuairand-rank-stream     the KuaiRand-27K-shaped ranking stream, generated per user on demand
+                           (data/sources/kuairand_ranking_stream.py): data.synthetic_users (first
+                           users, up to 27,285) / synthetic_max_events (first events of each) / seed
 
 Split, chronological per user (every user is in every split): with C = ``ranking.num_candidates``
 and n a user's events, the test sample's candidates are its last C events, validation's the C
@@ -39,6 +42,10 @@ def load_ranking_data(cfg) -> RankingSequences:
 
         return synthetic_ranking(d.synthetic_users, d.synthetic_items, d.synthetic_max_events, d.zipf_a, seed=d.seed,
                                  min_events=3 * cfg.ranking.num_candidates + 1)
+    if d.dataset == "kuairand-rank-stream":
+        from ..data.sources.kuairand_ranking_stream import KuaiRandRankingStream
+
+        return KuaiRandRankingStream(seed=d.seed, max_events=d.synthetic_max_events, num_users=d.synthetic_users)
     if not d.path:
         raise DataError(f"data.dataset={d.dataset!r} reads a file: set data.path (GR's processed_seqs.csv for "
                         f"kuairand-rank-gr, an official KuaiRand log csv for kuairand-rank-log)")
@@ -54,7 +61,10 @@ def load_ranking_data(cfg) -> RankingSequences:
 
 
 def fingerprint(seqs: RankingSequences) -> str:
-    """sha256 of the sequences and contexts: resuming on changed data is refused."""
+    """sha256 of the sequences and contexts (a stream's of what generates it): resuming on
+    changed data is refused."""
+    if hasattr(seqs, "fingerprint"):
+        return seqs.fingerprint()
     h = hashlib.sha256()
     arrays = [seqs.users, seqs.offsets, *(seqs.columns[c] for c in SEQUENCE_COLUMNS),
               *(seqs.context[c] for c in sorted(seqs.context))]

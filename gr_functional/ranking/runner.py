@@ -151,8 +151,10 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
         return logits
 
     transform = None if host is None else (lambda b: sparse.eval_rows(host, b))
-    return summarise(evaluate_ranking(B, params, seqs, samples.users, cfg.ranking, cfg.eval.batch_size,
-                                      ends=samples.ends, scorer=finite_scorer, on_batch=on_batch, transform=transform))
+    n = cfg.eval.max_users or len(samples)                   # the first eval.max_users samples (0: all)
+    return summarise(evaluate_ranking(B, params, seqs, samples.users[:n], cfg.ranking, cfg.eval.batch_size,
+                                      ends=samples.ends[:n], scorer=finite_scorer, on_batch=on_batch,
+                                      transform=transform))
 
 
 class RankingEvaluation(Evaluation):
