@@ -571,6 +571,8 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
                                    f"gr_functional.hooks.register_hook({unknown[0]!r}, cls) in a --plugin module")
     if cfg.model.task == "ranking":
         _validate_ranking(cfg, fail)
+    elif cfg.data.dataset in RANKING_DATASETS:
+        fail("data", "dataset", "is a ranking dataset: set model.task='ranking' (README \"Ranking\")")
     elif registries:
         from .data import registry as datasets
 

@@ -308,3 +308,10 @@ def test_ranking_trains_on_the_27k_stream_with_hash_tables(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["candidates"] == 240 and result["steps"] == 3
+
+
+def test_a_ranking_dataset_without_the_ranking_task_says_so():
+    with pytest.raises(ConfigError, match="data.dataset='kuairand-rank-synthetic': is a ranking dataset: set "
+                                          "model.task='ranking'"):
+        load_config(None, ["data.dataset=kuairand-rank-synthetic"])
+
