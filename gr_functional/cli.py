@@ -193,7 +193,10 @@ def cmd_data(args) -> int:
         from .data import registry
 
         print(f"data dir: {paths.data_dir()}")
-        print(f"datasets (data.dataset): {', '.join(registry.names())}; files:")
+        from .config import RANKING_DATASETS
+
+        print(f"datasets (data.dataset): {', '.join(registry.names())}")
+        print(f"ranking datasets (with model.task = \"ranking\"): {', '.join(RANKING_DATASETS)}; files:")
         for name in paths.dataset_names():
             try:
                 print(f"  {name}: {paths.dataset_path(name)}")
