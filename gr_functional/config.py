@@ -611,7 +611,7 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
 
 
-# ranking datasets (gr_functional/ranking/data.py DATASETS; listed here: that module imports numpy)
+# ranking datasets (loaded by gr_functional/ranking/data.py load_ranking_data)
 RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log", "kuairand-rank-stream")
 # what the ranking task does not do yet: (section, key, value it must keep, why)
 _RANKING_REFUSES = (

@@ -145,7 +145,7 @@ def _groups(batches, k: int):
         yield group
 
 
-def _lookup_record(host, stats) -> dict | None:
+def lookup_record(host, stats) -> dict | None:
     """A step's lookup numbers for metrics.jsonl (None without row-sparse embeddings)."""
     if stats is None:
         return None
@@ -176,7 +176,7 @@ class LocalSteps:
             micro, stats = self.host.prepare(micro, step)
         dev = [self.B.asarray_tree(b) for b in micro]
         params, opt_state, m = self.fn(params, opt_state, dev if self.k > 1 else dev[0])
-        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=_lookup_record(self.host, stats))
+        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
 class RankSteps:
@@ -217,7 +217,7 @@ class RankSteps:
         return params, opt_state, StepResult(
             step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),  # global, as one process counts
             rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
-            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=_lookup_record(self.host, stats))
+            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=lookup_record(self.host, stats))
 
 
     def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):

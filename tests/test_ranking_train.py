@@ -157,7 +157,6 @@ def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
 def test_ranking_steps_agree_between_torch_and_jax():
     """Three training steps of the preset's (tiny) model from the same init and batches: the
     torch and JAX trajectories agree (losses and every parameter) to float32 noise."""
-    pytest.importorskip("jax")
     from gr_functional.ranking.runner import make_ranking_step
     from gr_functional.runner import make_backend
     from gr_functional.config import replace
@@ -205,8 +204,6 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
     """ranking/sparse.py: a batch rewritten to local ids over the step's hash rows, rows holding
     the dense table's values, gives the dense model's loss, the same gradient of every dense
     parameter, and per looked-up row the dense table's gradient at that id's row."""
-    pytest.importorskip(backend_name)
-    from gr_functional.config import replace
     from gr_functional.ranking import sparse
     from gr_functional.ranking.model import ranking_loss, table_plan
     from gr_functional.ranking.runner import make_host

@@ -6,5 +6,5 @@ towers, the action bitmask encoder, jagged assembly), the output side (``heads``
 postprocessor, multitask head, per-task BCE) and the joined model with its host-side batch
 builder and per-task AUC / GAUC / NE evaluation (``model``). Checked against GR's own
 ``DlrmHSTU`` (forward, losses and every gradient) by the developer tool
-``tools/gr_ranking_crosscheck.py``. Not yet: hash tables for the 10M-row id tables, a training
-loop and config in ``grf train``."""
+``tools/gr_ranking_crosscheck.py``. Training through ``grf train`` (``model.task = "ranking"``):
+``data`` (datasets, split, loader), ``runner`` (step, evaluation, loop), ``sparse`` (hash tables)."""

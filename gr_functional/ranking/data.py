@@ -26,12 +26,10 @@ import hashlib
 
 import numpy as np
 
-from ..config import RANKING_DATASETS as DATASETS  # noqa: F401 (checked in config.validate)
 from ..errors import DataError
 from ..data.prefetch import Prefetch, PrefetchStats, timed
 from ..data.sources.kuairand_ranking import SEQUENCE_COLUMNS, RankingSequences
 from .model import make_ranking_batch
-
 
 
 def load_ranking_data(cfg) -> RankingSequences:

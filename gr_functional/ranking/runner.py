@@ -2,15 +2,16 @@
 ranking dataset (ranking/data.py) with the same loop, hooks, checkpoints, exact resume and output
 files as retrieval (runner.py); only the data, the step and the evaluation differ.
 
-The step is the guarded AdamW update of ``train.apply_update`` on GR's multitask loss (sum over
-tasks of 0.2 x mean BCE). Evaluation after every ``train.eval_every`` epochs: per-task AUC, GAUC
+The step is the guarded update of ``train.apply_update`` on GR's multitask loss (sum over tasks of
+0.2 x mean BCE): AdamW, and with hash tables (ranking/sparse.py) the row-sparse optimizer on the
+step's rows. Evaluation after every ``train.eval_every`` epochs: per-task AUC, GAUC
 and NE on the validation and test samples (``eval.batch_size`` users per batch: GR's attention
 normaliser is the batch's longest sequence, so this is part of the protocol; GR uses 16). The
 epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy at
 1K-user scale to select on); eval.json holds that epoch's test metrics.
 
-Not yet supported here, refused by name in ``config.validate``: hash / row-sparse / sharded
-tables, more than one process, gradient accumulation, token budgets, bf16 / fp16.
+Not yet supported here, refused by name in ``config.validate``: row-sharded tables, more than one
+process, gradient accumulation, token budgets, bf16 / fp16, bounded staleness.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ..config import Config, config_to_toml
 from ..data.prefetch import PrefetchStats
 from ..errors import CheckpointError, ConfigError, Diverged, NonFiniteState, TrainingAborted
 from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
-                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, _lookup_record,
+                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, lookup_record,
                      last_healthy, named_hooks)
 from ..report import RANKING_SELECT, select_epoch
 from ..runlock import RunLock
@@ -104,7 +105,7 @@ class RankingSteps:
         if self.host is not None:
             batch, stats = sparse.prepare(self.host, batch, step)
         params, opt_state, m = self.fn(params, opt_state, self.B.asarray_tree(batch))
-        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=_lookup_record(self.host, stats))
+        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
 def summarise(metrics: dict) -> dict:
@@ -141,12 +142,10 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
     """``summarise`` of the model on ``samples`` (ranking/data.Samples); ``Diverged`` when a
     logit is not finite. ``host``: the hash table's (ids read rows without inserting)."""
     score = scorer or make_scorer(B, cfg)
-    checked = []
 
     def finite_scorer(p, b):
         logits = score(p, b)
-        checked.append(bool(np.isfinite(B.to_numpy(logits)).all()))
-        if not checked[-1]:
+        if not np.isfinite(B.to_numpy(logits)).all():
             raise Diverged("non-finite ranking logits")
         return logits
 

@@ -29,8 +29,9 @@ from ...embedding.hashtable import hashed_init
 from ...errors import DataError
 from ..stream import KUAIRAND_27K_ITEMS
 from .kuairand_features import load_kuairand_features
-from .kuairand_ranking import ACTION_BITS, CONTEXT_FEATURES, SEQUENCE_COLUMNS, appearance_codes
-from .kuairand_ranking_synthetic import _CLICK_LIFT, _LATENT, _SLOPE, _SPAN_MS, _START_MS, ACTION_RATES, _solve_offset
+from .kuairand_ranking import ACTION_BITS, CONTEXT_FEATURES, appearance_codes
+from .kuairand_ranking_synthetic import (_CLICK_LIFT, _LATENT, _SLOPE, _SPAN_MS, _START_MS, ACTION_RATES, _solve_offset,
+                                         action_score, play_and_gaps)
 
 _SAMPLE = 200_000    # (user, video) draws the action offsets are solved on
 _CTR_DRAWS = 256     # affinity draws per user for its click offset
@@ -98,8 +99,7 @@ class KuaiRandRankingStream:
         for name, _ in ACTION_BITS:
             if name == "is_click":
                 continue
-            lift = 0.0 if name == "is_hate" else _CLICK_LIFT * click
-            offsets[name] = _solve_offset(_SLOPE.get(name, 1.0) * zs + lift, self.rates[name])
+            offsets[name] = _solve_offset(action_score(name, zs, click), self.rates[name])
         return click_offset, offsets
 
     def fingerprint(self) -> str:
@@ -138,15 +138,10 @@ class KuaiRandRankingStream:
             bits |= np.where(got, bit, 0)
             if name == "long_view":
                 long_view = got
-        duration = np.clip(rng.lognormal(np.log(20000), 0.8, n), 3000, 600000).astype(np.int64)
-        need = np.minimum(duration, 18000)
-        play = np.where(long_view, need + rng.random(n) * (duration * 1.5 - need + 1), rng.random(n) * (need - 1))
-        gaps = np.where(rng.random(n) < 0.5, rng.random(n) * 1000, rng.lognormal(np.log(60000), 1.2, n))
-        gaps = np.where(rng.random(n) < 0.01, gaps + rng.exponential(3 * 3600 * 1000, n), gaps)
+        duration, play, gaps = play_and_gaps(rng, long_view, n)
         gaps[0] = rng.random() * _SPAN_MS / 2
         out = {"video_id": video, "time_ms": _START_MS + np.cumsum(gaps).astype(np.int64), "action_weights": bits,
                "play_time_ms": play.astype(np.int64), "duration_ms": duration}
         for col in out.values():
             col.setflags(write=False)                                               # cached: shared by callers
-        assert tuple(out) == SEQUENCE_COLUMNS
         return out

@@ -44,6 +44,26 @@ _SLOPE = {"is_click": 2.0, "is_hate": -2.0}
 _CLICK_LIFT = 1.5
 
 
+def action_score(name: str, z: np.ndarray, click) -> np.ndarray:
+    """``name``'s logit less its offset: slope x affinity ``z``, plus a lift after a click for the
+    positive engagements (``click`` is unused for is_click and is_hate)."""
+    lift = 0.0 if name in ("is_click", "is_hate") else _CLICK_LIFT * click
+    return _SLOPE.get(name, 1.0) * z + lift
+
+
+def play_and_gaps(rng: np.random.Generator, long_view: np.ndarray, n: int):
+    """``(duration int64[n], play float[n], gaps float[n])`` in ms: a log-normal duration, a play
+    time that meets KuaiRand's long_view rule (play >= min(duration, 18 s)) exactly where
+    ``long_view``, and the gaps before each event (half under a second, the rest log-normal around
+    60 s, a session break of hours now and then); the caller sets each user's first gap."""
+    duration = np.clip(rng.lognormal(np.log(20000), 0.8, n), 3000, 600000).astype(np.int64)
+    need = np.minimum(duration, 18000)
+    play = np.where(long_view, need + rng.random(n) * (duration * 1.5 - need + 1), rng.random(n) * (need - 1))
+    gaps = np.where(rng.random(n) < 0.5, rng.random(n) * 1000, rng.lognormal(np.log(60000), 1.2, n))
+    gaps = np.where(rng.random(n) < 0.01, gaps + rng.exponential(3 * 3600 * 1000, n), gaps)
+    return duration, play, gaps
+
+
 def _solve_offset(score: np.ndarray, rate: float) -> float:
     """``c`` with ``mean(sigmoid(c + score)) == rate`` (monotone in c: bisection)."""
     lo, hi = -30.0, 30.0
@@ -102,26 +122,19 @@ def synthetic_ranking(num_users: int = 1000, num_items: int = 20000, max_events:
 
     probs = {}
 
-    def draw(name: str, extra: np.ndarray) -> np.ndarray:
-        score = _SLOPE.get(name, 1.0) * z + extra
+    def draw(name: str, click) -> np.ndarray:
+        score = action_score(name, z, click)
         c = _solve_offset(score, rates[name])
         probs[name] = 1.0 / (1.0 + np.exp(-(c + score)))
         return rng.random(n) < probs[name]
 
-    click = draw("is_click", np.zeros(n))
-    lift = _CLICK_LIFT * click
-    actions = {name: (click if name == "is_click" else draw(name, lift if name != "is_hate" else np.zeros(n)))
-               for name, _ in ACTION_BITS}
+    click = draw("is_click", None)
+    actions = {name: (click if name == "is_click" else draw(name, click)) for name, _ in ACTION_BITS}
     bitmask = np.zeros(n, np.int64)
     for name, bit in ACTION_BITS:
         bitmask |= np.where(actions[name], bit, 0)
 
-    duration = np.clip(rng.lognormal(np.log(20000), 0.8, n), 3000, 600000).astype(np.int64)
-    need = np.minimum(duration, 18000)                                        # KuaiRand's long_view rule
-    play = np.where(actions["long_view"], need + rng.random(n) * (duration * 1.5 - need + 1),
-                    rng.random(n) * (need - 1))
-    gaps = np.where(rng.random(n) < 0.5, rng.random(n) * 1000, rng.lognormal(np.log(60000), 1.2, n))
-    gaps = np.where(rng.random(n) < 0.01, gaps + rng.exponential(3 * 3600 * 1000, n), gaps)
+    duration, play, gaps = play_and_gaps(rng, actions["long_view"], n)
     gaps[offsets[:-1]] = rng.random(num_users) * _SPAN_MS / 2                  # each user's first event
     time = np.zeros(n, np.int64)
     for u in range(num_users):  # a cumulative sum per user (users are short: a plain loop is fine)
