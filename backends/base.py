@@ -73,6 +73,8 @@ class Backend:
     # The attention kernel (backends/kernels.py registry) that backend.hstu_kernel = "default"
     # selects here.
     default_hstu_kernel = "jagged"
+    # row-sparse update kernel (backends/row_kernels.py) that backend.row_kernel="default" means
+    default_row_kernel = "reference"
     # The argument type of hstu_attention's bias, reachable from model code as B.AttentionBias
     # (gr_functional imports no backend module).
     AttentionBias = AttentionBias
@@ -90,6 +92,8 @@ class Backend:
         self._thresholds_cache: dict[int, Any] = {}
         self.hstu_kernel: str | None = None   # the resolved kernel name (config.toml keeps "default")
         self._attention = None                # its fn(B, q, k, v, layout, norm_len, bias)
+        self.row_kernel = "reference"         # the resolved row kernel (use_row_kernel)
+        self._row_update = None               # its fn, None for the reference
 
     def __repr__(self):
         return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r})"
@@ -108,6 +112,24 @@ class Backend:
 
         spec, fn = kernels.build(self, kernel)
         self.hstu_kernel, self._attention = spec.name, fn
+
+    def use_row_kernel(self, kernel: str = "default") -> None:
+        """Select the row-sparse update kernel ``kernel`` (backends/row_kernels.py; "default":
+        ``default_row_kernel``). ConfigError when it does not run on this backend,
+        BackendUnavailable with the reason when its library cannot load here."""
+        from . import row_kernels
+
+        self.row_kernel, self._row_update = row_kernels.build(self, kernel)
+
+    def row_update(self, optimizer: str, values, grads, state_rows: dict, touched, lr, cfg):
+        """``rowopt.row_update`` through the selected row kernel: ``(new_values[U, D],
+        new_state_rows)`` of the gathered rows ``values[U, D]`` with summed gradients
+        ``grads[U, D]``; untouched slots (``touched[U]`` false) unchanged."""
+        from gr_functional.embedding import rowopt
+
+        if self._row_update is None:
+            return rowopt.reference_row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
+        return self._row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
 
     def with_hstu_kernel(self, kernel: str) -> "Backend":
         """A shallow copy of this backend running attention kernel ``kernel`` (benchmarks compare

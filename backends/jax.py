@@ -44,8 +44,10 @@ def _register_dataclasses(tree: Any) -> None:
 class JaxBackend(Backend):
     name = "jax"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default"):
-        """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on jax:
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
+                 row_kernel: str = "default"):
+        """row_kernel: "default" = "reference" (the only row-sparse update kernel on jax).
+        hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on jax:
         "default" (= "jagged": block-sparse tiles of ``layout.tiles`` where they pay off,
         ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan),
         "reference" (padded dense, the oracle), or a registered kernel of your own."""
@@ -62,6 +64,7 @@ class JaxBackend(Backend):
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if (self._device or jax.devices()[0]).platform == "cpu" else 1.0
         self.use_hstu_kernel(hstu_kernel)
+        self.use_row_kernel(row_kernel)
 
     @property
     def device_kind(self) -> str:

@@ -19,12 +19,15 @@ from .base import Backend, BackendUnavailable
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default"):
+    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
+                 row_kernel: str = "default"):
         """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on torch:
         "default" (= "jagged": block-sparse tiles of ``layout.tiles``, no padding, where they pay
         off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
         portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
-        TRITON_INTERPRET=1), or a registered kernel of your own."""
+        TRITON_INTERPRET=1), or a registered kernel of your own. row_kernel: "default" (=
+        "reference") or "fbgemm" (fbgemm's TBE row-wise Adagrad: fbgemm-gpu-cpu on CPU, fbgemm_gpu
+        on CUDA; backends/row_kernels.py)."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -40,6 +43,7 @@ class TorchBackend(Backend):
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
         self.use_hstu_kernel(hstu_kernel)
+        self.use_row_kernel(row_kernel)
 
     @property
     def device_kind(self) -> str:

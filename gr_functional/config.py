@@ -39,6 +39,7 @@ EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
 HashInit = Literal["hashed", "dense"]
 Sharding = Literal["replicated", "row"]
 ExchangePrecision = Literal["fp32", "fp16", "bf16"]
+RowKernelName = Literal["default", "reference", "fbgemm", "auto"]
 Task = Literal["retrieval", "ranking"]
 
 
@@ -263,6 +264,12 @@ class BackendConfig:
     # Triton on npu), "jagged" (no-padding tiles where they save enough work), "tiled" (always),
     # "reference" (padded), "triton" (torch/npu), "mxrec" (npu), or a kernel registered by a plugin.
     hstu_kernel: str = "default"
+    # Row-sparse embedding update (embedding.optimizer lazy_adam / rowwise_adagrad;
+    # backends/row_kernels.py): "default" (the backend's choice: "reference" on torch/jax, "auto"
+    # on npu), "reference" (plain array code), "fbgemm" (fbgemm's fused TBE row-wise Adagrad:
+    # fbgemm-ascend on npu, fbgemm_gpu on CUDA, fbgemm-gpu-cpu on CPU; rowwise_adagrad only),
+    # "auto" (npu: fbgemm where it applies, else reference).
+    row_kernel: RowKernelName = "default"
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
     # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).
@@ -558,6 +565,12 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         problem = kernels.check_config(cfg)
         if problem:
             fail("backend", "hstu_kernel", problem)
+    from backends import row_kernels  # no array library imported
+
+    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer)
+    if problem:
+        fail("backend", "row_kernel", problem)
+    if registries:
         from . import losses
 
         if cfg.loss.name not in losses.names():

@@ -40,13 +40,13 @@ class Experiment:
 
     def backend(self, name: str | None = None, device: str | None = None):
         """The backend ``cfg.backend`` names (kernel, dtype, determinism applied), or backend
-        ``name`` with the same dtype and precision and its default kernel."""
+        ``name`` with the same dtype and precision and its default kernels."""
         from .config import replace
         from .runner import make_backend
 
         cfg = self.cfg
         if name is not None and name != cfg.backend.name:
-            cfg = replace(cfg, backend={"name": name, "hstu_kernel": "default", "device": ""})
+            cfg = replace(cfg, backend={"name": name, "hstu_kernel": "default", "row_kernel": "default", "device": ""})
         return make_backend(cfg, device)
 
     def init_params(self, seed: int | None = None) -> dict:

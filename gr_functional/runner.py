@@ -139,6 +139,8 @@ def make_backend(cfg: Config, device: str | None = None):
     options = {"device": device or cfg.backend.device or None, "dtype": cfg.backend.dtype}
     if cfg.backend.hstu_kernel != "default":
         options["hstu_kernel"] = cfg.backend.hstu_kernel
+    if cfg.backend.row_kernel != "default":
+        options["row_kernel"] = cfg.backend.row_kernel
     B = get_backend(cfg.backend.name, **options)
     B.set_deterministic(cfg.backend.deterministic)
     return B
