@@ -23,6 +23,9 @@ Sections (one JSON line per measurement with ``--json``):
   each rank taking its data-parallel share (``dist.balance = "kk"``): ids, rows and gradients,
   intra-/inter-node (``node_size`` 2 when 4 ranks), flat or hierarchical, fp32 or fp16, and what
   the same exchange would move without dedup (every id reference sent: ``*_no_dedup``).
+- ``row_kernel``: the row-wise Adagrad update of ``rows`` gathered rows of width ``dim`` (torch,
+  CPU) through each ``backend.row_kernel`` that loads here: ``reference`` (array code) and
+  ``fbgemm`` (fbgemm's TBE, fbgemm-gpu-cpu here); ``ratio_vs_reference`` > 1 is faster.
 """
 from __future__ import annotations
 
@@ -295,6 +298,32 @@ def bench_exchange(world: int, steps: int, json_lines: bool) -> None:
             "bytes_per_step_no_dedup": no_dedup, "dedup_reduction": no_dedup / max(total, 1)}, json_lines)
 
 
+def bench_row_kernel(rows: int, dim: int, repeats: int, json_lines: bool) -> None:
+    import torch
+
+    from backends import BackendUnavailable, get_backend
+    from gr_functional.config import OptimConfig
+    from gr_functional.embedding import rowopt
+
+    gen = torch.Generator().manual_seed(0)
+    values, grads = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    acc, touched, cfg = torch.rand(rows, generator=gen), torch.ones(rows, dtype=torch.bool), OptimConfig(lr=0.01)
+    t_ref = None
+    for kernel in ("reference", "fbgemm"):
+        try:
+            B = get_backend("torch", row_kernel=kernel)
+        except BackendUnavailable as exc:
+            _emit({"section": "row_kernel", "kernel": kernel, "skipped": str(exc)}, json_lines)
+            continue
+        update = lambda: rowopt.row_update(B, "rowwise_adagrad", values, grads, {"acc": acc}, touched,  # noqa: E731
+                                           0.01, cfg)
+        update()  # warm-up (fbgemm builds its table once)
+        t = _best(update, repeats)
+        t_ref = t_ref or t
+        _emit({"section": "row_kernel", "kernel": kernel, "rows": rows, "dim": dim, "ms": t * 1e3,
+               "ratio_vs_reference": t_ref / t}, json_lines)
+
+
 def run(json_lines: bool = False, quick: bool = False) -> None:
     """All sections; ``quick`` shrinks every size (tests)."""
     if quick:
@@ -302,6 +331,7 @@ def run(json_lines: bool = False, quick: bool = False) -> None:
         bench_map(keys=20_000, n=5_000, repeats=2, json_lines=json_lines)
         bench_memory(capacity=5_000, stream_ids=40_000, chunk=2_000, dim=16, json_lines=json_lines)
         bench_dedup(batches=2, json_lines=json_lines)
+        bench_row_kernel(rows=1_000, dim=16, repeats=2, json_lines=json_lines)
         return
     for n in (10_000, 100_000):
         bench_step(rows=1_000_000, dim=64, n=n, repeats=5, json_lines=json_lines)
@@ -309,5 +339,7 @@ def run(json_lines: bool = False, quick: bool = False) -> None:
         bench_map(keys=4_000_000, n=n, repeats=3, json_lines=json_lines)
     bench_memory(capacity=4_000_000, stream_ids=32_000_000, chunk=1_000_000, dim=256, json_lines=json_lines)
     bench_dedup(batches=10, json_lines=json_lines)
+    for rows, dim in ((4_096, 64), (32_768, 256)):
+        bench_row_kernel(rows, dim, repeats=10, json_lines=json_lines)
     for world in (2, 4):
         bench_exchange(world, steps=5, json_lines=json_lines)

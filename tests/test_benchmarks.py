@@ -55,7 +55,9 @@ def test_embedding_bench_json(capsys):
     embedding.run(json_lines=True, quick=True)
     rows = _lines(capsys)
     sections = {r["section"] for r in rows}
-    assert sections == {"step", "map", "memory", "dedup"}
+    assert sections == {"step", "map", "memory", "dedup", "row_kernel"}
+    kernels = {r["kernel"]: r for r in rows if r["section"] == "row_kernel"}
+    assert set(kernels) == {"reference", "fbgemm"} and all(r["ms"] > 0 for r in kernels.values())
     step_rows = {r["impl"]: r for r in rows if r["section"] == "step"}
     assert {"nn_embedding_sparse_adam", "dense_lazy_adam", "hash_lazy_adam"} <= set(step_rows)
     assert all(r["ids_per_s"] > 0 for r in step_rows.values())

@@ -1,5 +1,5 @@
-"""Real-hardware tests: the mxrec HSTU adapter (and the fake it was written against) vs the
-reference, on an Ascend NPU.
+"""Real-hardware tests: the mxrec HSTU adapter (and the fake it was written against) and the
+fbgemm-ascend TBE row kernel vs the reference, on an Ascend NPU.
 
 Provenance: npu. Skipped ONLY when torch_npu cannot be imported (reason "no Ascend NPU: <probe
 reason>"). On a host where torch_npu imports, every test runs: a missing device or missing
@@ -111,3 +111,41 @@ def test_fake_matches_the_real_kernel(npu32, mxrec, silu_scale, mask_type, with_
     dev = lambda t: None if t is None else t.to("npu")  # noqa: E731
     got = mxrec.op(dev(q), dev(k), dev(v), **{**kw, "attn_bias": dev(bias), "seq_offset": dev(offs)})
     np.testing.assert_allclose(got.cpu().double().numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- fbgemm-ascend TBE
+@pytest.fixture(scope="module")
+def fbgemm_npu():
+    _require(npu_ops.torch_npu_status())
+    from npu_ops import fbgemm_tbe
+
+    try:
+        return fbgemm_tbe.load_api("npu")
+    except npu_ops.UnsupportedOnBackend as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 8), (300, 64), (5000, 256)])
+def test_fbgemm_row_kernel_matches_reference_on_the_npu(npu32, fbgemm_npu, rows, dim):
+    """The fused TBE update on the NPU vs the reference formulas on CPU float64 (and so the fake,
+    which equals the reference on CPU): what the CPU tests cannot show."""
+    import torch
+
+    from gr_functional.config import OptimConfig
+    from gr_functional.embedding import rowopt
+    from npu_ops.fbgemm_tbe import FbgemmRowwiseAdagrad
+
+    g = torch.Generator().manual_seed(rows)
+    values, grads = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
+    acc, touched = torch.rand(rows, generator=g), torch.rand(rows, generator=g) > 0.2
+    cfg = OptimConfig(lr=0.05, eps=1e-8)
+    import backends
+
+    cpu = backends.get_backend("torch", dtype="float64")
+    want_v, want_s = rowopt.reference_row_update(cpu, "rowwise_adagrad", values.double(), grads.double(),
+                                                 {"acc": acc.double()}, touched, 0.05, cfg)
+    adapter = FbgemmRowwiseAdagrad(fbgemm_npu)
+    dev = npu32.torch_device
+    got_v, got_a = adapter.update(values.to(dev), grads.to(dev), acc.to(dev), touched.to(dev), 0.05, cfg.eps, 0.0)
+    _compare({"values": want_v.numpy(), "acc": want_s["acc"].numpy()},
+             {"values": got_v.cpu().double().numpy(), "acc": got_a.cpu().double().numpy()}, TOL["float32"])
