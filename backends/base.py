@@ -136,6 +136,7 @@ class Backend:
         kernels on one backend); ``self`` is unchanged."""
         view = copy.copy(self)
         view.__dict__.pop("_precision_views", None)
+        view.__dict__.pop("_compiled", None)  # compiled functions trace the kernel they were built with
         view.use_hstu_kernel(kernel)
         return view
 
@@ -158,6 +159,11 @@ class Backend:
         raise NotImplementedError
 
     def jit(self, f: Callable) -> Callable:
+        return f
+
+    def compiled(self, f: Callable) -> Callable:
+        """``f`` compiled by the backend's graph compiler when ``backend.compile`` is on (torch:
+        ``torch.compile``), else ``f``. The training loss goes through it; ``f`` stays the oracle."""
         return f
 
     def stop_gradient(self, x):

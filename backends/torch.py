@@ -20,14 +20,14 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
-                 row_kernel: str = "default"):
+                 row_kernel: str = "default", compile: bool = False):
         """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on torch:
         "default" (= "jagged": block-sparse tiles of ``layout.tiles``, no padding, where they pay
         off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
         portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
         TRITON_INTERPRET=1), or a registered kernel of your own. row_kernel: "default" (=
         "reference") or "fbgemm" (fbgemm's TBE row-wise Adagrad: fbgemm-gpu-cpu on CPU, fbgemm_gpu
-        on CUDA; backends/row_kernels.py)."""
+        on CUDA; backends/row_kernels.py). compile: ``compiled(f)`` is ``torch.compile(f)``."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -44,6 +44,7 @@ class TorchBackend(Backend):
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
         self.use_hstu_kernel(hstu_kernel)
         self.use_row_kernel(row_kernel)
+        self.compile = bool(compile)
 
     @property
     def device_kind(self) -> str:
@@ -83,6 +84,24 @@ class TorchBackend(Backend):
 
     def stop_gradient(self, x):
         return x.detach()
+
+    def with_compile(self, on: bool) -> "TorchBackend":
+        """A shallow copy with ``backend.compile`` set to ``on`` (benchmarks compare the two)."""
+        import copy
+
+        view = copy.copy(self)
+        view.__dict__.pop("_precision_views", None)
+        view.__dict__.pop("_compiled", None)
+        view.compile = bool(on)
+        return view
+
+    def compiled(self, f: Callable) -> Callable:
+        if not self.compile:
+            return f
+        cache = self.__dict__.setdefault("_compiled", {})  # per backend view (with_hstu_kernel drops it)
+        if f not in cache:
+            cache[f] = self._torch.compile(f)
+        return cache[f]
 
     def block_until_ready(self, tree) -> None:
         # CPU kernels run synchronously in eager mode; CUDA ones are queued
@@ -189,6 +208,13 @@ SAMPLED_LOGITS_CHUNK_ROWS = 1024
 _FUNCTIONS: dict = {}
 
 
+def _eager(apply, torch):
+    """``apply`` of an autograd.Function below, run eager under ``torch.compile`` (they write into
+    preallocated blocks with ``out=``, which dynamo cannot trace; a graph break around them costs
+    nothing: they are as fast as their chunked loops get). No effect outside compile."""
+    return torch.compiler.disable(apply)
+
+
 def _row_chunks(n: int) -> list[slice]:
     """The ``SAMPLED_LOGITS_CHUNK_ROWS``-row blocks the chunked loss ops work through."""
     return [slice(s, s + SAMPLED_LOGITS_CHUNK_ROWS) for s in range(0, n, SAMPLED_LOGITS_CHUNK_ROWS)]
@@ -211,7 +237,7 @@ def _chunked_sampled_logits(torch):
     only the summation order of the items gradient differs.
     """
     if "sampled_logits" in _FUNCTIONS:
-        return _FUNCTIONS["sampled_logits"].apply
+        return _FUNCTIONS["sampled_logits"]
 
 
     class ChunkedSampledLogits(torch.autograd.Function):
@@ -254,8 +280,8 @@ def _chunked_sampled_logits(torch):
                     d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
             return d_user, d_items.to(items.dtype), None, None
 
-    _FUNCTIONS["sampled_logits"] = ChunkedSampledLogits
-    return ChunkedSampledLogits.apply
+    _FUNCTIONS["sampled_logits"] = _eager(ChunkedSampledLogits.apply, torch)
+    return _FUNCTIONS["sampled_logits"]
 
 
 def _chunked_sampled_logits_16bit(torch):
@@ -265,7 +291,7 @@ def _chunked_sampled_logits_16bit(torch):
     q_c``, ``d items += index_add(g_c x user_c)`` (straight through the rounding), in fp32 for
     low-precision inputs."""
     if "sampled_logits_16bit" in _FUNCTIONS:
-        return _FUNCTIONS["sampled_logits_16bit"].apply
+        return _FUNCTIONS["sampled_logits_16bit"]
 
 
     def rounded(items, ids_c, scale_c, low, acc):                                       # [c, R, D]
@@ -301,8 +327,8 @@ def _chunked_sampled_logits_16bit(torch):
                 d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
             return d_user, d_items.to(items.dtype), None, None, None
 
-    _FUNCTIONS["sampled_logits_16bit"] = ChunkedSampledLogits16
-    return ChunkedSampledLogits16.apply
+    _FUNCTIONS["sampled_logits_16bit"] = _eager(ChunkedSampledLogits16.apply, torch)
+    return _FUNCTIONS["sampled_logits_16bit"]
 
 
 def _chunked_shared_logsumexp(torch):
@@ -313,7 +339,7 @@ def _chunked_shared_logsumexp(torch):
     ``d neg_bias -= sum_t g p``. Low-precision inputs are computed in fp32; lse is fp32 then, as
     the mixed-precision ``logsumexp``."""
     if "shared_logsumexp" in _FUNCTIONS:
-        return _FUNCTIONS["shared_logsumexp"].apply
+        return _FUNCTIONS["shared_logsumexp"]
 
 
     def acc_dtype(x):
@@ -358,5 +384,5 @@ def _chunked_shared_logsumexp(torch):
             d_pos = (g_all * torch.exp(pos.to(acc) - lse)).to(pos.dtype)
             return d_user, d_neg.to(neg_items.dtype), None, None, d_pos, d_bias.to(neg_bias.dtype), None, None
 
-    _FUNCTIONS["shared_logsumexp"] = ChunkedSharedLogsumexp
-    return ChunkedSharedLogsumexp.apply
+    _FUNCTIONS["shared_logsumexp"] = _eager(ChunkedSharedLogsumexp.apply, torch)
+    return _FUNCTIONS["shared_logsumexp"]

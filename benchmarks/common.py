@@ -31,13 +31,24 @@ def machine() -> dict:
 def backends_for(cfg, names=None) -> list:
     """``[(label, backend)]`` to measure: ``names`` (default torch and jax) as ``grf train`` would
     make them (``runner.make_backend``: ``backend.device``, ``hstu_kernel``, ``deterministic``).
+    With ``backend.compile``: torch only, as two rows, "torch" (eager) and "torch+compile".
     Raises ``ConfigError`` / ``BackendUnavailable`` with the reason, before anything is timed.
     (Precision is applied by whoever runs the step: ``train`` casts per ``backend.precision``.)"""
     from gr_functional.config import replace
     from gr_functional.runner import make_backend, validate
 
     validate(cfg)
-    return [(name, make_backend(replace(cfg, backend={"name": name}))) for name in names or ["torch", "jax"]]
+    out = []
+    for name in names or ["torch", "jax"]:
+        if cfg.backend.compile and name != "torch":
+            continue  # backend.compile is torch's (the config check says why)
+        B = make_backend(replace(cfg, backend={"name": name}))
+        if B.compile:  # the eager step, measured in the same run, is what compile is compared with
+            out.append((name, B.with_compile(False)))
+            out.append((f"{name}+compile", B))
+        else:
+            out.append((name, B))
+    return out
 
 
 def kernel_variant(B, kernel: str):

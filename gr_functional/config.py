@@ -270,6 +270,11 @@ class BackendConfig:
     # fbgemm-ascend on npu, fbgemm_gpu on CUDA, fbgemm-gpu-cpu on CPU; rowwise_adagrad only),
     # "auto" (npu: fbgemm where it applies, else reference).
     row_kernel: RowKernelName = "default"
+    # torch.compile the training loss (model forward; its backward through AOTAutograd): inductor's
+    # C++/OpenMP kernels on CPU, Triton on CUDA; the chunked loss ops stay eager. torch only (JAX
+    # always jit-compiles its step); the first steps of each new batch shape compile (~30-60 s on
+    # 2 CPU cores). README "Speed" has the measured gain.
+    compile: bool = False
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
     # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).
@@ -565,6 +570,10 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         problem = kernels.check_config(cfg)
         if problem:
             fail("backend", "hstu_kernel", problem)
+    if b.compile and b.name != "torch":
+        fail("backend", "compile", f"torch.compile is a torch-backend option: "
+                                   f"{'JAX always jit-compiles its step' if b.name == 'jax' else 'on npu it goes through torchair / triton-ascend, not verified here'}; "
+                                   f"set backend.compile=false")
     from backends import row_kernels  # no array library imported
 
     problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer)

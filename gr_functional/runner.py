@@ -141,6 +141,8 @@ def make_backend(cfg: Config, device: str | None = None):
         options["hstu_kernel"] = cfg.backend.hstu_kernel
     if cfg.backend.row_kernel != "default":
         options["row_kernel"] = cfg.backend.row_kernel
+    if cfg.backend.compile:
+        options["compile"] = True
     B = get_backend(cfg.backend.name, **options)
     B.set_deterministic(cfg.backend.deterministic)
     return B

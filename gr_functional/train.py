@@ -131,7 +131,7 @@ def micro_grads(B, params: dict, opt_state: dict, batch: HSTUBatch, cfg: Config)
     """``(loss, tokens, grads)`` of one (micro-)batch: the fp32 mean loss, its supervised token
     count ``sum(weights)`` and the unscaled gradients (a tree like params, master dtype)."""
     scale = opt_state["loss_scale"]["scale"] if "loss_scale" in opt_state else None
-    (_, loss), grads = B.value_and_grad(partial(_loss, B, cfg=cfg), has_aux=True)(params, batch, scale)
+    (_, loss), grads = B.value_and_grad(partial(B.compiled(_loss), B, cfg=cfg), has_aux=True)(params, batch, scale)
     if scale is not None:
         grads = tree_map(lambda g: g / scale, grads)  # scale is a power of two: exact
     return loss, B.xp.sum(batch.weights), grads
