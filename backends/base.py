@@ -412,19 +412,37 @@ class Backend:
             rel = (norm_len - 1) + j - i
             rab = xp.reshape(self.gather_table(bias.pos_w, rel), (1, L, L))
         if bias.ts_w is not None:
-            ts_d = self.gather_rows(self._ext(bias.ts), layout.dense_index)          # [B, L]
-            q_d = self.gather_rows(self._ext(bias.query_ts), layout.dense_index)     # [B, L]
-            gap = xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
-            t_bias = self._time_bias(bias.ts_w, gap)
+            def gap():
+                ts_d = self.gather_rows(self._ext(bias.ts), layout.dense_index)          # [B, L]
+                q_d = self.gather_rows(self._ext(bias.query_ts), layout.dense_index)     # [B, L]
+                return xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
+
+            t_bias = self._time_bias(bias, "padded", gap)
             rab = t_bias if rab is None else rab + t_bias
         return rab
 
-    def _time_bias(self, ts_w, gap):
-        """``ts_w[bucket(gap)]`` for int32 gaps ``|query_ts - ts| >= 0`` of any shape."""
+    @staticmethod
+    def _memo(bias: AttentionBias, key, make: Callable):
+        """``make()``, computed once per forward pass when ``bias.memo`` is a dict: the index
+        arrays that depend on the batch only (time buckets, positions, masks) are the same in every
+        layer. Not differentiable values only."""
+        if bias.memo is None:
+            return make()
+        if key not in bias.memo:
+            bias.memo[key] = make()
+        return bias.memo[key]
+
+    def _time_bias(self, bias: AttentionBias, geometry: str, gap: Callable):
+        """``ts_w[bucket(gap)]`` of ``bias``, ``gap()`` the int32 gaps ``|query_ts - ts| >= 0`` in the
+        kernel's ``geometry`` (any shape); the buckets are computed once per forward pass."""
         xp = self.xp
-        num_buckets = ts_w.shape[0] - 1
-        bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
-        return self.gather_table(ts_w, xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32))
+        num_buckets = bias.ts_w.shape[0] - 1
+
+        def buckets():
+            bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap(), side="right") - 1
+            return xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
+
+        return self.gather_table(bias.ts_w, self._memo(bias, ("time_bucket", geometry, num_buckets), buckets))
 
     def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
         """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
@@ -542,22 +560,36 @@ class Backend:
 
         qp, kp, vp = per_pair(q, plan.pair_q), per_pair(k, plan.pair_k), per_pair(v, plan.pair_k)
         scores = xp.matmul(qp, xp.matrix_transpose(kp))                             # [H, P, C, C]
-        q_pos = xp.reshape(cells(layout.pos, plan.pair_q), (P, C, 1))
-        k_pos = xp.reshape(cells(layout.pos, plan.pair_k), (P, 1, C))
+
+        def positions():  # [P, C, 1], [P, 1, C]: the same in every layer
+            return (xp.reshape(cells(layout.pos, plan.pair_q), (P, C, 1)),
+                    xp.reshape(cells(layout.pos, plan.pair_k), (P, 1, C)))
+
         rab = None
         if bias.pos_w is not None:
-            rab = self.gather_table(bias.pos_w, (norm_len - 1) + k_pos - q_pos)    # [P, C, C]
+            rel = self._memo(bias, ("tiled_rel", norm_len),
+                             lambda: (norm_len - 1) + self._memo(bias, "tiled_pos", positions)[1]
+                             - self._memo(bias, "tiled_pos", positions)[0])
+            rab = self.gather_table(bias.pos_w, rel)                                 # [P, C, C]
         if bias.ts_w is not None:
-            q_t = xp.reshape(cells(bias.query_ts, plan.pair_q), (P, C, 1))
-            k_t = xp.reshape(cells(bias.ts, plan.pair_k), (P, 1, C))
-            t_bias = self._time_bias(bias.ts_w, xp.abs(q_t - k_t))
+            def gap():
+                q_t = xp.reshape(cells(bias.query_ts, plan.pair_q), (P, C, 1))
+                k_t = xp.reshape(cells(bias.ts, plan.pair_k), (P, 1, C))
+                return xp.abs(q_t - k_t)
+
+            t_bias = self._time_bias(bias, "tiled", gap)
             rab = t_bias if rab is None else rab + t_bias
         if rab is not None:
             scores = scores + rab
-        # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
-        # and empty key cells (rows == T_cap) are masked
-        key_real = xp.reshape(xp.take(plan.chunk_rows, plan.pair_k, axis=0) < layout.t_cap, (P, 1, C))
-        mask = xp.astype(xp.logical_and(k_pos <= q_pos, key_real), scores.dtype) / norm_len
+
+        def allowed():
+            # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
+            # and empty key cells (rows == T_cap) are masked
+            q_pos, k_pos = self._memo(bias, "tiled_pos", positions)
+            key_real = xp.reshape(xp.take(plan.chunk_rows, plan.pair_k, axis=0) < layout.t_cap, (P, 1, C))
+            return xp.logical_and(k_pos <= q_pos, key_real)
+
+        mask = xp.astype(self._memo(bias, "tiled_allowed", allowed), scores.dtype) / norm_len
         partial = xp.matmul(self.silu(scores) * mask, vp)                          # [H, P, C, dv]
         # the tiles of one query chunk are summed in fp32 (in bf16/fp16 a scatter-add would round
         # at every tile; the padded reference sums inside one matmul)

@@ -61,12 +61,16 @@ class AttentionBias:
     ts_w[K+1] float or None: ``rab_time[i, j] = ts_w[bucket(|query_ts_i - ts_j|)]``, K buckets.
     ts[T] int32: each token's event time; query_ts[T] int32: the time of the item position i
     predicts (the request time). Both are read only when ts_w is given.
+    memo: a dict shared by the layers of one forward pass (``model.encode`` makes one per batch)
+    or None: the index arrays every layer would recompute from the batch alone (time buckets,
+    positions, causal masks) are computed by the first layer and reused (``Backend._memo``).
     """
 
     pos_w: Any = None
     ts_w: Any = None
     ts: Any = None
     query_ts: Any = None
+    memo: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
 
 NO_BIAS = AttentionBias()

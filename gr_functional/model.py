@@ -90,8 +90,9 @@ def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -
 
 
 def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, trace: dict | None = None,
-               name: str = "block"):
-    """One HSTU block on x[T, D] -> [T, D]; ``keep[T, H*dv]`` is the dropout mask or None."""
+               name: str = "block", memo: dict | None = None):
+    """One HSTU block on x[T, D] -> [T, D]; ``keep[T, H*dv]`` is the dropout mask or None;
+    ``memo``: the batch's index arrays shared by the blocks (``AttentionBias.memo``)."""
     xp = B.xp
     T = x.shape[0]
     H = cfg.num_heads
@@ -100,7 +101,8 @@ def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, tra
     av = B.hstu_attention(
         xp.reshape(q, (T, H, cfg.dqk)), xp.reshape(k, (T, H, cfg.dqk)), xp.reshape(v, (T, H, cfg.dv)),
         batch.layout, cfg.norm_len,
-        B.AttentionBias(pos_w=p.get("rab_pos"), ts_w=p.get("rab_time"), ts=batch.ts, query_ts=batch.query_ts))
+        B.AttentionBias(pos_w=p.get("rab_pos"), ts_w=p.get("rab_time"), ts=batch.ts, query_ts=batch.query_ts,
+                        memo=memo))
     av = xp.reshape(av, (T, H * cfg.dv))
     y = B.hstu_norm_mul(av, u, cfg.ln_eps)
     if keep is not None:
@@ -135,9 +137,10 @@ def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | No
     x = x * xp.reshape(B.token_mask(layout), (-1, 1))
     if trace is not None:
         trace["input"] = x
+    memo = {}  # time buckets and positions: the same for every block, computed by the first
     for i, block in enumerate(params["blocks"]):
         keep = None if batch.block_keep is None else batch.block_keep[i]
-        x = hstu_block(B, block, x, batch, cfg, keep, trace, name=f"blocks.{i}")
+        x = hstu_block(B, block, x, batch, cfg, keep, trace, name=f"blocks.{i}", memo=memo)
     out = B.l2_normalize(x, cfg.l2_eps)
     if trace is not None:
         trace["output"] = out
