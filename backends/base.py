@@ -75,6 +75,8 @@ class Backend:
     default_hstu_kernel = "jagged"
     # row-sparse update kernel (backends/row_kernels.py) that backend.row_kernel="default" means
     default_row_kernel = "reference"
+    # backend.compile: the training loss runs through ``compiled`` (torch.compile on torch)
+    compile = False
     # The argument type of hstu_attention's bias, reachable from model code as B.AttentionBias
     # (gr_functional imports no backend module).
     AttentionBias = AttentionBias
