@@ -49,9 +49,12 @@ def resolve(name: str, backend: str) -> str:
     return backend_class(backend).default_row_kernel
 
 
-def problem(name: str, backend: str, optimizer: str | None = None) -> str | None:
+def problem(name: str, backend: str, optimizer: str | None = None, dim: int | None = None,
+            weight_decay: float = 0.0) -> str | None:
     """Why ``backend.row_kernel = name`` cannot serve ``optimizer`` on ``backend`` (None: it can;
-    ``optimizer`` None or "adamw" is not checked: no row kernel runs then)."""
+    ``optimizer`` None or "adamw" is not checked: no row kernel runs then). ``dim`` (the table
+    width) and ``weight_decay``: the explicit ``fbgemm`` kernel's documented limits, checked here
+    so that a run is refused before it starts rather than at its first update."""
     kernel = _KERNELS.get(resolve(name, backend))
     if kernel is None:
         return f"unknown row kernel; one of {', '.join(repr(k) for k in ROW_KERNELS)}"
@@ -63,6 +66,12 @@ def problem(name: str, backend: str, optimizer: str | None = None) -> str | None
         why = _WHY_NOT.get(optimizer, "")
         return (f"row kernel {kernel.name!r} supports embedding.optimizer in {', '.join(kernel.optimizers)}, "
                 f"not {optimizer!r}{': ' + why if why else ''}; use backend.row_kernel='reference'")
+    if kernel.name == "fbgemm" and optimizer == "rowwise_adagrad" and dim is not None:
+        from npu_ops.fbgemm_tbe import problem as limit  # no vendor import
+
+        reason = limit("npu" if backend == "npu" else "cpu", "float32", dim, weight_decay)
+        if reason:
+            return f"row kernel 'fbgemm': {reason}; use backend.row_kernel='reference'"
     return None
 
 

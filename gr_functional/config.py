@@ -576,7 +576,8 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
                                    f"set backend.compile=false")
     from backends import row_kernels  # no array library imported
 
-    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer)
+    table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
+    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer, table_dim, cfg.optim.weight_decay)
     if problem:
         fail("backend", "row_kernel", problem)
     if registries:

@@ -140,6 +140,8 @@ def test_auto_falls_back_and_fbgemm_refuses():
     (["backend.row_kernel=fbgemm", "embedding.kind=hash", "embedding.optimizer=lazy_adam"], "table's step count"),
     (["backend.row_kernel=fbgemm", "backend.name=jax"], "does not run on the jax backend"),
     (["backend.row_kernel=auto"], "does not run on the torch backend"),
+    (["backend.row_kernel=fbgemm", "embedding.kind=hash", "embedding.optimizer=rowwise_adagrad",
+      "model.embed_dim=50"], "not a multiple of 4"),
 ])
 def test_config_refuses_row_kernels_by_name(sets, match):
     with pytest.raises(ConfigError, match=match) as err:
