@@ -3,7 +3,7 @@
 A row kernel computes ``rowopt.row_update``: the new values and optimizer state of the U rows a
 step looked up (``B.row_update(name, values[U, D], grads[U, D], state_rows, touched[U], lr, cfg)``).
 Each declares the backends and optimizers it supports; a config asking for anything else is
-refused by name when it is checked (``config_problem``), and a documented per-call limit (dtype,
+refused by name when it is checked (``problem``), and a documented per-call limit (dtype,
 width) raises ``UnsupportedOnBackend`` naming it, never a silent fallback (except under "auto",
 whose contract is to fall back).
 
@@ -21,9 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-ROW_KERNELS = ("default", "reference", "fbgemm", "auto")
-
-
 @dataclasses.dataclass(frozen=True)
 class RowKernel:
     name: str
@@ -36,6 +33,7 @@ _KERNELS = {
     "fbgemm": RowKernel("fbgemm", ("torch", "npu"), ("rowwise_adagrad",)),
     "auto": RowKernel("auto", ("npu",), ("lazy_adam", "rowwise_adagrad")),
 }
+ROW_KERNELS = ("default", *_KERNELS)  # config.RowKernelName lists the same names
 _WHY_NOT = {"lazy_adam": "fbgemm's Adam bias-corrects with the table's step count, lazy_adam with each row's "
                          "own (README \"Sparse embeddings\")"}
 

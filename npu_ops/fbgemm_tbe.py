@@ -104,7 +104,7 @@ class FbgemmRowwiseAdagrad:
         self.api = api
         self._tables: dict[tuple, Any] = {}
 
-    def _table(self, torch, device, slots: int, dim: int, eps: float, weight_decay: float):
+    def _table(self, device, slots: int, dim: int, eps: float, weight_decay: float):
         key = (str(device), slots, dim, eps, weight_decay)
         tbe = self._tables.get(key)
         if tbe is None:
@@ -119,6 +119,7 @@ class FbgemmRowwiseAdagrad:
                                 pooling_mode=api.pooling_mode.NONE, learning_rate=0.0, eps=eps,
                                 weight_decay=weight_decay, weight_decay_mode=decay, stochastic_rounding=False,
                                 device=device)
+            # one table per (device, width, eps, decay): a bigger one replaces a smaller one
             self._tables = {k: v for k, v in self._tables.items() if k[0] != key[0] or k[2:] != key[2:]}
             self._tables[key] = tbe
         return tbe
@@ -135,7 +136,7 @@ class FbgemmRowwiseAdagrad:
         if u == 0:
             return values, acc
         slots = max(64, 1 << (u - 1).bit_length())
-        tbe = self._table(torch, values.device, slots, dim, float(eps), float(weight_decay))
+        tbe = self._table(values.device, slots, dim, float(eps), float(weight_decay))
         weights = tbe.split_embedding_weights()[0]
         momentum = tbe.split_optimizer_states()[0][0]
         with torch.no_grad():
