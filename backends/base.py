@@ -64,7 +64,7 @@ class Backend:
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
                   "sampled_logits", "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
-                  "hstu_norm_mul", "stu_attention")
+                  "hstu_norm_mul", "stu_attention", "add_head_bias")
     # sampled_logits scores all items with one matmul when the catalogue is at most this many
     # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows: ~2.5x in a one-off
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
@@ -582,7 +582,7 @@ class Backend:
             t_bias = self._time_bias(bias, "tiled", gap)
             rab = t_bias if rab is None else rab + t_bias
         if rab is not None:
-            scores = scores + rab
+            scores = self.add_head_bias(scores, rab)
 
         def allowed():
             # pairs join chunks of one sequence, so "same sequence" is given; causal is by position
@@ -598,6 +598,12 @@ class Backend:
         partial = self.cast(xp.permute_dims(partial, (1, 2, 0, 3)), "float32")     # [P, C, H, dv]
         chunks = self.cast(self.segment_sum(partial, plan.pair_q, nc_cap + 1), self._dtype_name_of(v))
         return self.gather_rows(xp.reshape(chunks, ((nc_cap + 1) * C, H, dv)), plan.token_cell)
+
+    def add_head_bias(self, scores, bias):
+        """``scores[H, ...] + bias[...]``: one bias shared by all heads. Its gradient in ``bias`` is
+        the sum over heads (a Backend method because XLA's CPU reduction over a short leading axis
+        is slow, see ``JaxBackend.add_head_bias``)."""
+        return scores + bias
 
     def hstu_norm_mul(self, av, u, eps: float = 1e-6):
         """``u[T, H*dv] * LayerNorm(av[T, H*dv])`` (norm over all heads together, as GR research)."""

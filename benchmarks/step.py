@@ -18,6 +18,7 @@ same dtype, measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -54,8 +55,10 @@ def step_setup(name: str, base_cfg):
     return cfg, batching.TrainLoader.from_config(splits.train, cfg).batch(0, 0)
 
 
-def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
-    """Seconds per training step and the model FLOPs / tokens of that step."""
+def prepare_step(B, cfg, batch_np):
+    """``(one, info)``: ``one()`` runs one training step on ``B`` (each step fed the previous one's
+    parameters) and returns its outputs; ``info`` the step's model FLOPs, tokens, sequences and
+    parameter count."""
     params = B.asarray_tree(model.init_params(cfg.model, seed=0))
     opt = init_opt_state(B, params, cfg)
     batch = B.asarray_tree(batch_np)
@@ -66,13 +69,38 @@ def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
         state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch)
         return metrics
 
-    seconds = median_seconds(B, one, repeats=repeats)
     lengths = np.asarray(batch_np.tokens.lengths)
     lengths = lengths[lengths > 0]
     supervised = int(np.asarray(batch_np.weights).sum())
     n_params = sum(int(np.prod(np.shape(x))) for x in tree_leaves(params))
     fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params,
                                  num_negatives=cfg.loss.num_negatives)
-    return {"seconds": seconds, "tokens": int(lengths.sum()), "sequences": int(len(lengths)),
-            "model_flops": int(fl["total"]), "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"},
-            "params": n_params}
+    return one, {"tokens": int(lengths.sum()), "sequences": int(len(lengths)), "model_flops": int(fl["total"]),
+                 "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"}, "params": n_params}
+
+
+def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:
+    """Seconds per training step (median of ``repeats`` after a warm-up) and the step's ``info``."""
+    one, info = prepare_step(B, cfg, batch_np)
+    return {"seconds": median_seconds(B, one, repeats=repeats), **info}
+
+
+def alternate_steps(variants: dict, cfg, batch_np, repeats: int = 3) -> dict:
+    """``{label: measure_step-like dict}`` of ``variants`` (``{label: backend}``) on one batch, their
+    steps ALTERNATING (after one warm-up step each, in which JAX compiles): every variant sees the
+    same machine load, so their ratios hold on a shared machine where timing one after the other
+    would mix the load's drift into them."""
+    prepared = {label: prepare_step(B, cfg, batch_np) for label, B in variants.items()}
+    first = {}
+    for label, (one, _) in prepared.items():
+        t0 = time.perf_counter()
+        variants[label].block_until_ready(one())
+        first[label] = time.perf_counter() - t0
+    times = {label: [] for label in variants}
+    for _ in range(repeats):
+        for label, (one, _) in prepared.items():
+            t0 = time.perf_counter()
+            variants[label].block_until_ready(one())
+            times[label].append(time.perf_counter() - t0)
+    return {label: {"seconds": float(np.median(times[label])), "first_s": first[label], **prepared[label][1]}
+            for label in variants}

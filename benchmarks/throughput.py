@@ -1,16 +1,19 @@
 """``grf bench throughput [--json] [--backend torch,jax] [--set backend.device=cuda]``: training
 tokens per second of each backend on each config of ``step.STEP_CONFIGS``.
 
-The step is ``step.measure_step`` (forward, backward, AdamW; median of 3 after a warm-up) with the
+The step is the training step of ``step.prepare_step`` (forward, backward, AdamW) with the
 tiled no-padding attention (``hstu_kernel = "tiled"``) and the padded reference attention on the
-same jagged batch: the default "jagged" runs whichever of the two ``Backend.tiles_pay_off`` picks. Fields: ``tokens`` (real input tokens per step), ``seconds``, ``tokens_per_s``,
+same jagged batch: the default "jagged" runs whichever of the two ``Backend.tiles_pay_off`` picks.
+For each config and kernel the backends' steps ALTERNATE (``step.alternate_steps``: one warm-up
+step each, then ``repeats`` rounds, medians), so the torch / JAX ratio is not the load's drift
+between two measurements. Fields: ``tokens`` (real input tokens per step), ``seconds``, ``tokens_per_s``,
 ``vs_fastest`` (this row's tokens/s over the fastest backend's on the same config and kernel: the
 "within 1.5x" check of issue 4).
 """
 from __future__ import annotations
 
 from .common import backends_for, device_label, emit, kernel_variant, machine
-from .step import STEP_CONFIGS, measure_step, step_setup
+from .step import STEP_CONFIGS, alternate_steps, step_setup
 
 COLUMNS = ["backend", "device", "config", "kernel", "tokens", "seconds", "tokens_per_s", "vs_fastest"]
 
@@ -23,13 +26,14 @@ def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS,
     host = machine()
     setups = {name: step_setup(name, cfg) for name in configs}
     rows = []
-    for label, B in backends_for(cfg, backends):
-        for name, (step_cfg, batch) in setups.items():
-            for kernel in kernels:
-                r = measure_step(kernel_variant(B, kernel), step_cfg, batch, repeats=repeats)
-                rows.append({"bench": "throughput", "backend": label, "device": device_label(B), "config": name,
-                             "kernel": kernel, "precision": cfg.backend.precision, "tokens": r["tokens"],
-                             "sequences": r["sequences"], "seconds": r["seconds"],
+    measured = backends_for(cfg, backends)
+    for name, (step_cfg, batch) in setups.items():
+        for kernel in kernels:
+            variants = {label: kernel_variant(B, kernel) for label, B in measured}
+            for label, r in alternate_steps(variants, step_cfg, batch, repeats=repeats).items():
+                rows.append({"bench": "throughput", "backend": label, "device": device_label(variants[label]),
+                             "config": name, "kernel": kernel, "precision": cfg.backend.precision,
+                             "tokens": r["tokens"], "sequences": r["sequences"], "seconds": r["seconds"],
                              "tokens_per_s": r["tokens"] / r["seconds"], **host})
     for row in rows:  # ratios need every backend's figure first
         same = [r["tokens_per_s"] for r in rows if r["config"] == row["config"] and r["kernel"] == row["kernel"]]

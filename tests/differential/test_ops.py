@@ -21,7 +21,7 @@ def test_kernel_op_list_is_covered():
     # backend (test_losses.py) and torch's chunked form vs the reference (below)
     tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
               "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul",
-              "stu_attention"}
+              "stu_attention", "add_head_bias"}
     assert set(Backend.KERNEL_OPS) == tested
 
 
@@ -144,6 +144,16 @@ def test_hstu_uvqk_vs_oracle_and_grads(backend, rng):
         return B.xp.sum(B.xp.concat(B.hstu_uvqk(a["x"], a["w"], splits), axis=1) * a["cot"])
 
     _assert_grads_agree(f, {"x": x, "w": w, "cot": cot})
+
+
+def test_add_head_bias_vs_oracle_and_grads(backend, rng):
+    scores = rng.standard_normal((3, 4, 5, 5)).astype(np.float32)
+    bias = rng.standard_normal((4, 5, 5)).astype(np.float32)
+    got = backend.to_numpy(backend.add_head_bias(backend.asarray(scores), backend.asarray(bias)))
+    assert rel_err(got, scores.astype(np.float64) + bias) <= FWD_TOL
+    cot = rng.standard_normal((3, 4, 5, 5)).astype(np.float32)
+    _assert_grads_agree(lambda B, a: B.xp.sum(B.add_head_bias(a["scores"], a["bias"]) * a["cot"]),
+                        {"scores": scores, "bias": bias, "cot": cot})
 
 
 @pytest.mark.parametrize("n_items", [20, 5000])  # dense-matmul and row-gather formulations
@@ -297,6 +307,38 @@ def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng, n_ite
         assert rel_err(outs[0], outs[1]) <= tol
         assert rel_err(grads[0][0], grads[1][0]) <= tol
         assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == torch.float32 else tol)
+
+
+@pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
+def test_jax_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items):
+    """JAX's blocked custom-gradient op vs the reference formulation (Backend.sampled_logits) on
+    the same backend: several blocks and a partial one, repeated ids within a row, fp32 and bf16,
+    outputs and gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from backends import jax as jax_backend
+    from backends.base import Backend
+
+    B = get_backend("jax")
+    T, N, R, D = 2 * jax_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, n_items, 16, 8
+    user = rng.standard_normal((T, D)).astype(np.float32)
+    items = rng.standard_normal((N, D)).astype(np.float32)
+    ids = rng.integers(0, N, (T, R)).astype(np.int32)
+    ids[:, 1] = ids[:, 0]                                  # duplicates accumulate in backward
+    cot = rng.standard_normal((T, R)).astype(np.float32)
+    for dtype, tol in ((jnp.float32, FWD_TOL), (jnp.bfloat16, 2e-2)):
+        outs, grads = [], []
+        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits(B, u, i, x)):
+            def loss(u, it):
+                out = op(u, it, jnp.asarray(ids))
+                return jnp.sum(out.astype(jnp.float32) * cot), out
+            (_, out), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(jnp.asarray(user, dtype), jnp.asarray(items, dtype))
+            outs.append(np.asarray(out.astype(jnp.float32)))
+            grads.append(tuple(np.asarray(x.astype(jnp.float32)) for x in g))
+        assert rel_err(outs[0], outs[1]) <= tol
+        assert rel_err(grads[0][0], grads[1][0]) <= tol
+        assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == jnp.float32 else tol)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
