@@ -12,6 +12,7 @@ H = heads, d = head dim, D = model dim. Index arrays are int32.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -132,6 +133,26 @@ class Backend:
         if self._row_update is None:
             return rowopt.reference_row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
         return self._row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
+
+    # backend.attention_recompute: autograd keeps only the attention's inputs; backward recomputes
+    # its score tiles (with_attention_recompute)
+    attention_recompute = False
+
+    def with_attention_recompute(self, on: bool) -> "Backend":
+        """A shallow copy whose ``hstu_attention`` runs under ``checkpoint``: nothing of the
+        attention's inside (score tiles or matrices, probabilities, per-pair copies of q/k/v) is
+        kept for backward, which recomputes it; ``self`` is unchanged."""
+        view = copy.copy(self)
+        view.__dict__.pop("_precision_views", None)
+        view.__dict__.pop("_compiled", None)
+        view.attention_recompute = bool(on)
+        return view
+
+    def checkpoint(self, f: Callable) -> Callable:
+        """``f`` (array arguments, differentiable) whose intermediates autograd does not keep:
+        backward runs ``f`` again (torch.utils.checkpoint, jax.checkpoint). Reference: ``f``
+        itself (the Array API has no autodiff)."""
+        return f
 
     def with_hstu_kernel(self, kernel: str) -> "Backend":
         """A shallow copy of this backend running attention kernel ``kernel`` (benchmarks compare
@@ -468,7 +489,16 @@ class Backend:
         """
         if self._attention is None:  # a subclass that never called use_hstu_kernel
             self.use_hstu_kernel()
-        return self._attention(self, q, k, v, layout, norm_len, bias)
+        if not self.attention_recompute:
+            return self._attention(self, q, k, v, layout, norm_len, bias)
+
+        def kernel(q, k, v, pos_w, ts_w):
+            # no memo: JAX traces the checkpointed function on its own, so index arrays made inside
+            # it cannot serve the next layer; each layer (and its backward) rebuilds them
+            return self._attention(self, q, k, v, layout, norm_len,
+                                   dataclasses.replace(bias, pos_w=pos_w, ts_w=ts_w, memo=None))
+
+        return self.checkpoint(kernel)(q, k, v, bias.pos_w, bias.ts_w)
 
     # padded score cells over tiled ones (capacities) from which "jagged" runs the tiled kernel
     jagged_min_work_ratio = 1.0

@@ -91,6 +91,9 @@ class JaxBackend(Backend):
     def stop_gradient(self, x):
         return self._jax.lax.stop_gradient(x)
 
+    def checkpoint(self, f: Callable) -> Callable:
+        return self._jax.checkpoint(f)
+
     def block_until_ready(self, tree) -> None:
         self._jax.block_until_ready(tree)
 

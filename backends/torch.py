@@ -85,6 +85,12 @@ class TorchBackend(Backend):
     def stop_gradient(self, x):
         return x.detach()
 
+    def checkpoint(self, f: Callable) -> Callable:
+        import torch.utils.checkpoint
+
+        # non-reentrant: works with torch.compile and with arguments that need no gradient (None)
+        return lambda *args: torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
+
     def with_compile(self, on: bool) -> "TorchBackend":
         """A shallow copy with ``backend.compile`` set to ``on`` (benchmarks compare the two)."""
         import copy

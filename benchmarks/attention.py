@@ -11,6 +11,10 @@ In fp32 (``backend.precision`` is not applied here). Variants (each backend):
           and the padded dense attention ``[B, H, T, T]`` (``hstu_attention_padded``): what a
           padded implementation computes;
   jagged  rows for real tokens only and the block-sparse tiled attention (auto tile: 32, 128, 256);
+  jagged+recompute  the same under ``backend.attention_recompute``: autograd keeps the attention's
+          inputs only and backward recomputes its tiles (torch's autograd-saved bytes then leave
+          out the one layer's tiles that exist while its backward runs; XLA's temp buffers include
+          them);
   triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops.
 
 Fields: seconds (median of 3 after a warm-up/compile), memory_bytes with memory_kind
@@ -84,6 +88,7 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
 def variants(label, B):
     yield "padded", kernel_variant(B, "reference")
     yield "jagged", kernel_variant(B, "tiled")
+    yield "jagged+recompute", kernel_variant(B, "tiled").with_attention_recompute(True)
     if label == "torch" and str(getattr(B, "torch_device", "cpu")).startswith("cuda"):
         from backends import get_backend
 

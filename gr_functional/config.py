@@ -275,6 +275,11 @@ class BackendConfig:
     # always jit-compiles its step); the first steps of each new batch shape compile (~30-60 s on
     # 2 CPU cores). README "Speed" has the measured gain.
     compile: bool = False
+    # Recompute the attention in backward instead of keeping it (activation checkpointing of
+    # hstu_attention: torch.utils.checkpoint / jax.checkpoint): autograd keeps only q, k, v and the
+    # bias parameters of each layer, not its score tiles or matrices; costs one more attention
+    # forward per layer (README "Speed" has both figures).
+    attention_recompute: bool = False
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
     # loss's logsumexp run in fp32). fp16 adds dynamic loss scaling (train.loss_scale).

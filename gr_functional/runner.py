@@ -144,6 +144,8 @@ def make_backend(cfg: Config, device: str | None = None):
     if cfg.backend.compile:
         options["compile"] = True
     B = get_backend(cfg.backend.name, **options)
+    if cfg.backend.attention_recompute:
+        B = B.with_attention_recompute(True)
     B.set_deterministic(cfg.backend.deterministic)
     return B
 

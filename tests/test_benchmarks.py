@@ -21,12 +21,14 @@ def test_attention_bench_json(capsys):
     printed = _lines(capsys)
     assert printed == json.loads(json.dumps(rows))
     assert {(r["backend"], r["variant"]) for r in printed} == {(b, v) for b in ("torch", "jax")
-                                                               for v in ("padded", "jagged")}
+                                                               for v in ("padded", "jagged", "jagged+recompute")}
     for r in printed:
         assert r["seconds"] > 0 and r["memory_bytes"] > 0 and r["sequences"] == 8
         assert r["ideal_layer"] >= 1.0 and r["speedup"] > 0
         if r["variant"] == "padded":
             assert r["speedup"] == 1.0 and r["memory_ratio"] == 1.0
+    kept = {r["variant"]: r["memory_bytes"] for r in printed if r["backend"] == "torch"}
+    assert kept["jagged+recompute"] < kept["jagged"]  # autograd keeps the attention's inputs only
 
 
 @pytest.fixture
