@@ -51,6 +51,35 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_roofline_bench_json(capsys, small_step_config):
+    from benchmarks import roofline
+
+    rows = roofline.run(json_lines=True, cfg=load_config(None), configs=("kuairand_1k",))
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    [r] = rows
+    assert r["peak_flops"] > 0 and r["bandwidth_bytes_s"] > 0 and r["profiled_s"] > 0 and r["roofline_s"] > 0
+    assert 0 < r["matmul_share_of_roofline"] <= 1
+    ops = {o["op"]: o for o in r["ops"]}
+    assert "aten::bmm" in ops and ops["aten::bmm"]["gflop"] > 0 and ops["aten::bmm"]["gbytes"] > 0
+
+
+def test_roofline_byte_and_flop_rules():
+    from benchmarks.roofline import matmul_flops, op_bytes
+
+    assert matmul_flops("aten::mm", [[64, 32], [32, 16]]) == 2 * 64 * 32 * 16
+    assert matmul_flops("aten::bmm", [[3, 64, 32], [3, 32, 16]]) == 3 * 2 * 64 * 32 * 16
+    assert matmul_flops("aten::addmm_", [[64, 16], [64, 32], [32, 16]]) == 2 * 64 * 32 * 16
+    assert op_bytes("aten::mm", [[64, 32], [32, 16]], [], True) == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+    # index_select along dim 1 of [2, 100, 8]: each of 5 indices moves a [2, 8] slice, read and written
+    assert op_bytes("aten::index_select", [[2, 100, 8], [], [5]], [None, 1, None], True) == 4 * (2 * 5 * 16 + 5)
+    assert op_bytes("aten::index_add_", [[2, 100, 8], [], [5], [2, 5, 8], []], [None, 1, None, None, 1], True) \
+        == 4 * (2 * 5 * 16 + 5)
+    assert op_bytes("aten::mul", [[10, 4], [10, 4]], [], False) == 4 * 120
+    assert op_bytes("aten::fill_", [[10, 4], []], [], False) == 4 * 40
+    assert op_bytes("aten::mul", [[10, 4], [10, 4]], [], True) == 0      # a wrapper: its children move the data
+    assert op_bytes("aten::view", [[10, 4], []], [], False) == 0
+
+
 def test_embedding_bench_json(capsys):
     from benchmarks import embedding
 
