@@ -137,16 +137,24 @@ class Backend:
     # backend.attention_recompute: autograd keeps only the attention's inputs; backward recomputes
     # its score tiles (with_attention_recompute)
     attention_recompute = False
+    # may index arrays made inside a ``checkpoint``ed function serve later calls (AttentionBias.memo)?
+    # Not where checkpoint traces the function apart (JAX: they would be tracers of that trace).
+    checkpoint_keeps_memo = False
+
+    def _view(self, **attrs) -> "Backend":
+        """A shallow copy with ``attrs`` set and the caches built from the old settings dropped
+        (precision views, compiled functions: they trace the kernel they were built with)."""
+        view = copy.copy(self)
+        view.__dict__.pop("_precision_views", None)
+        view.__dict__.pop("_compiled", None)
+        view.__dict__.update(attrs)
+        return view
 
     def with_attention_recompute(self, on: bool) -> "Backend":
         """A shallow copy whose ``hstu_attention`` runs under ``checkpoint``: nothing of the
         attention's inside (score tiles or matrices, probabilities, per-pair copies of q/k/v) is
         kept for backward, which recomputes it; ``self`` is unchanged."""
-        view = copy.copy(self)
-        view.__dict__.pop("_precision_views", None)
-        view.__dict__.pop("_compiled", None)
-        view.attention_recompute = bool(on)
-        return view
+        return self._view(attention_recompute=bool(on))
 
     def checkpoint(self, f: Callable) -> Callable:
         """``f`` (array arguments, differentiable) whose intermediates autograd does not keep:
@@ -157,9 +165,7 @@ class Backend:
     def with_hstu_kernel(self, kernel: str) -> "Backend":
         """A shallow copy of this backend running attention kernel ``kernel`` (benchmarks compare
         kernels on one backend); ``self`` is unchanged."""
-        view = copy.copy(self)
-        view.__dict__.pop("_precision_views", None)
-        view.__dict__.pop("_compiled", None)  # compiled functions trace the kernel they were built with
+        view = self._view()
         view.use_hstu_kernel(kernel)
         return view
 
@@ -492,11 +498,12 @@ class Backend:
         if not self.attention_recompute:
             return self._attention(self, q, k, v, layout, norm_len, bias)
 
+        memo = bias.memo if self.checkpoint_keeps_memo else None
+
         def kernel(q, k, v, pos_w, ts_w):
-            # no memo: JAX traces the checkpointed function on its own, so index arrays made inside
-            # it cannot serve the next layer; each layer (and its backward) rebuilds them
+            # without checkpoint_keeps_memo (JAX) each layer and its backward rebuild the index arrays
             return self._attention(self, q, k, v, layout, norm_len,
-                                   dataclasses.replace(bias, pos_w=pos_w, ts_w=ts_w, memo=None))
+                                   dataclasses.replace(bias, pos_w=pos_w, ts_w=ts_w, memo=memo))
 
         return self.checkpoint(kernel)(q, k, v, bias.pos_w, bias.ts_w)
 

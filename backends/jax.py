@@ -160,18 +160,26 @@ def _add_head_bias(jax):
     """``jax.custom_vjp`` of ``scores[H, ...] + bias[...]`` (``JaxBackend.add_head_bias``)."""
     if "add_head_bias" in _FUNCTIONS:
         return _FUNCTIONS["add_head_bias"]
+    jnp = jax.numpy
 
     @jax.custom_vjp
     def f(scores, bias):
         return scores + bias
 
-    def bwd(_, g):
+    def fwd(scores, bias):
+        if tuple(bias.shape) != tuple(scores.shape[1:]):
+            raise ValueError(f"add_head_bias: bias {tuple(bias.shape)} must be scores {tuple(scores.shape)} "
+                             f"without its head axis")
+        # residuals must be arrays: two scalars carry the primals' dtypes to the gradients
+        return scores + bias, (jnp.zeros((), scores.dtype), jnp.zeros((), bias.dtype))
+
+    def bwd(dtypes, g):
         d_bias = g[0]
         for h in range(1, g.shape[0]):
             d_bias = d_bias + g[h]
-        return g, d_bias
+        return g.astype(dtypes[0].dtype), d_bias.astype(dtypes[1].dtype)
 
-    f.defvjp(lambda scores, bias: (f(scores, bias), None), bwd)
+    f.defvjp(fwd, bwd)
     _FUNCTIONS["add_head_bias"] = f
     return f
 
@@ -191,6 +199,10 @@ def _chunked_sampled_logits(jax, dense: bool):
         return _FUNCTIONS[key]
     jnp, lax = jax.numpy, jax.lax
 
+    def block_rows(T):  # balanced blocks of at most SAMPLED_LOGITS_CHUNK_ROWS (T = 1025: 2 x 513)
+        n = max(1, -(-T // SAMPLED_LOGITS_CHUNK_ROWS))
+        return max(1, -(-T // n))
+
     def blocks(x, c):  # [T, ...] -> [T_pad / c, c, ...], zero rows appended
         pad = (-x.shape[0]) % c
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
@@ -203,7 +215,7 @@ def _chunked_sampled_logits(jax, dense: bool):
 
     @jax.custom_vjp
     def f(user, items, ids):
-        c = min(SAMPLED_LOGITS_CHUNK_ROWS, user.shape[0])
+        c = block_rows(user.shape[0])
         out = lax.map(lambda xs: block_logits(items, *xs), (blocks(user, c), blocks(ids, c)))
         return jnp.reshape(out, (-1, ids.shape[1]))[: user.shape[0]]
 
@@ -213,7 +225,7 @@ def _chunked_sampled_logits(jax, dense: bool):
     def bwd(res, grad):
         user, items, ids = res
         acc = jnp.float32 if user.dtype in (jnp.bfloat16, jnp.float16) else user.dtype
-        c = min(SAMPLED_LOGITS_CHUNK_ROWS, user.shape[0])
+        c = block_rows(user.shape[0])
         items_acc = items.astype(acc)
         rows = jnp.arange(c)[:, None]
 

@@ -85,6 +85,9 @@ class TorchBackend(Backend):
     def stop_gradient(self, x):
         return x.detach()
 
+    # checkpoint runs f eagerly on plain tensors: index arrays it makes can serve later layers
+    checkpoint_keeps_memo = True
+
     def checkpoint(self, f: Callable) -> Callable:
         import torch.utils.checkpoint
 
@@ -93,13 +96,7 @@ class TorchBackend(Backend):
 
     def with_compile(self, on: bool) -> "TorchBackend":
         """A shallow copy with ``backend.compile`` set to ``on`` (benchmarks compare the two)."""
-        import copy
-
-        view = copy.copy(self)
-        view.__dict__.pop("_precision_views", None)
-        view.__dict__.pop("_compiled", None)
-        view.compile = bool(on)
-        return view
+        return self._view(compile=bool(on))
 
     def compiled(self, f: Callable) -> Callable:
         if not self.compile:

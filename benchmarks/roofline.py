@@ -1,4 +1,4 @@
-"""``grf bench roofline [--json] [--set backend.device=cuda]``: what bounds a torch training step,
+"""``grf bench roofline [--json]``: what bounds a torch training step on the CPU (fp32),
 op by op: each op's FLOPs and bytes moved against the machine's measured matmul peak and memory
 bandwidth, for each config of ``step.STEP_CONFIGS``.
 
@@ -8,7 +8,8 @@ free next to its memory traffic), bytes (estimated from the recorded input shape
 matmul reads both operands and writes its output; a gather or index op moves its index's rows
 twice, plus the index; fill writes, copy reads and writes; any other leaf op reads its inputs and
 writes one output as large as the largest; views, and ops whose children do work (wrappers),
-move nothing themselves), the intensity
+move nothing themselves; ops taking tensor lists (cat, stack, advanced indexing), whose shapes the
+profiler does not record, are not estimated and count at their measured time), the intensity
 (FLOP/byte), and ``roofline_s = max(flops / peak, bytes / bandwidth)``: the least time the op could
 take on this machine. ``efficiency = roofline_s / self_s``. The step's ``roofline_s`` is the sum:
 the fastest step these ops allow without fusing them, and ``mfu_at_roofline`` the MFU of that step
@@ -31,8 +32,11 @@ from .step import STEP_CONFIGS, prepare_step, step_setup
 
 TOP = 14
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
-INDEX_OPS = {"aten::index_select": 2, "aten::gather": 2, "aten::index_add_": 2, "aten::scatter_add_": 2,
-             "aten::index": 1}  # position of the index argument in input_shapes
+INDEX_OPS = {"aten::index_select": 2, "aten::gather": 2, "aten::index_add_": 2,
+             "aten::scatter_add_": 2}  # position of the index argument in input_shapes
+# ops whose inputs are tensor lists, which the profiler records as []: bytes not estimated, the
+# op counts at its measured time
+UNESTIMATED = {"aten::cat", "aten::stack", "aten::index", "aten::index_put_", "aten::_index_put_impl_"}
 COLUMNS = ["config", "op", "self_s", "share", "gflop", "gbytes", "intensity", "roofline_s", "efficiency"]
 
 
@@ -60,8 +64,11 @@ def matmul_flops(name: str, shapes: list) -> int:
     return 2 * _numel(a) * b[-1]
 
 
-def op_bytes(name: str, shapes: list, args: list, has_children: bool) -> int:
-    """Estimated bytes an op moves, from its input shapes and scalar ``args`` (module docstring)."""
+def op_bytes(name: str, shapes: list, args: list, has_children: bool) -> int | None:
+    """Estimated bytes an op moves, from its input shapes and scalar ``args`` (module docstring);
+    None where the shapes do not tell (``UNESTIMATED``)."""
+    if name in UNESTIMATED and not has_children:
+        return None
     shapes = [s if isinstance(s, (list, tuple)) else [] for s in shapes]
     if name in MATMULS:
         mats = [s for s in shapes if len(s) >= 2]
@@ -107,7 +114,7 @@ def memory_bandwidth(B, mib: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / float(np.median(times[1:]))
 
 
-def roofline_step(B, cfg, batch_np, peak: float, bandwidth: float, top: int = TOP) -> dict:
+def roofline_step(B, cfg, batch_np, peak: float, bandwidth: float, top: int | None = TOP) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     one, info = prepare_step(B, cfg, batch_np)
@@ -118,43 +125,54 @@ def roofline_step(B, cfg, batch_np, peak: float, bandwidth: float, top: int = TO
     for e in prof.events():
         if e.name.startswith("autograd::"):
             continue
-        r = per_op.setdefault(e.name, {"self_s": 0.0, "flops": 0, "bytes": 0, "calls": 0})
+        r = per_op.setdefault(e.name, {"self_s": 0.0, "flops": 0, "bytes": 0, "calls": 0, "unestimated_s": 0.0})
         r["self_s"] += e.self_cpu_time_total / 1e6
         shapes = list(e.input_shapes or [])
         r["flops"] += matmul_flops(e.name, shapes)
         works = any(c.name not in VIEWS for c in e.cpu_children)
-        r["bytes"] += op_bytes(e.name, shapes, list(getattr(e, "concrete_inputs", None) or []), works)
+        moved = op_bytes(e.name, shapes, list(getattr(e, "concrete_inputs", None) or []), works)
+        if moved is None:  # not estimated: the op counts at its measured time
+            r["unestimated_s"] += e.self_cpu_time_total / 1e6
+        else:
+            r["bytes"] += moved
         r["calls"] += 1
     total = sum(r["self_s"] for r in per_op.values())
     rows = []
     for name, r in per_op.items():
-        roof = max(r["flops"] / peak, r["bytes"] / bandwidth)
+        roof = max(r["flops"] / peak, r["bytes"] / bandwidth) + r["unestimated_s"]
         rows.append({"op": name, "self_s": r["self_s"], "share": r["self_s"] / total, "calls": r["calls"],
                      "gflop": r["flops"] / 1e9, "gbytes": r["bytes"] / 1e9,
                      "intensity": r["flops"] / r["bytes"] if r["bytes"] else None, "roofline_s": roof,
-                     "efficiency": roof / r["self_s"] if r["self_s"] > 0 else None})
+                     "efficiency": roof / r["self_s"] if r["self_s"] > 0 else None,
+                     "estimated": r["unestimated_s"] == 0.0})
     rows.sort(key=lambda r: -r["self_s"])
     roofline_total = sum(r["roofline_s"] for r in rows)
     return {"profiled_s": total, "roofline_s": roofline_total, "model_flops": info["model_flops"],
             "mfu_profiled": info["model_flops"] / (total * peak),
             "mfu_at_roofline": info["model_flops"] / (roofline_total * peak),
             "matmul_share_of_roofline": sum(r["gflop"] * 1e9 / peak for r in rows) / roofline_total,
-            "ops": rows[:top]}
+            "unestimated_s": sum(r["unestimated_s"] for r in per_op.values()),
+            "ops": rows[:top] if top else rows}
 
 
-def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS) -> list[dict]:
+def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, top: int | None = TOP,
+        peak_n: int = 4096, mib: int = 256) -> list[dict]:
     from gr_functional.config import load_config
 
     cfg = cfg or load_config(None)
+    if cfg.backend.precision != "fp32" or (cfg.backend.device or "cpu") != "cpu":
+        raise SystemExit("grf bench roofline: CPU fp32 only (its byte rules count 4-byte elements and it "
+                         "reads CPU self times); drop --set backend.device / backend.precision")
     out = []
     for label, B in backends_for(cfg, ["torch"] if backends is None else backends):
         if not label.startswith("torch"):
             raise SystemExit(f"grf bench roofline: torch backends only, got {label!r}")
-        peak, bandwidth = matmul_peak(B), memory_bandwidth(B)
+        peak, bandwidth = matmul_peak(B, n=peak_n), memory_bandwidth(B, mib=mib)
         for name in configs:
             step_cfg, batch = step_setup(name, cfg)
             r = {"bench": "roofline", "backend": label, "device": device_label(B), "config": name,
-                 "peak_flops": peak, "bandwidth_bytes_s": bandwidth, **roofline_step(B, step_cfg, batch, peak, bandwidth),
+                 "peak_flops": peak, "bandwidth_bytes_s": bandwidth,
+                 **roofline_step(B, step_cfg, batch, peak, bandwidth, top=top),
                  **machine()}
             out.append(r)
             if json_lines:

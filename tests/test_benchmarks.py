@@ -54,7 +54,7 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
 def test_roofline_bench_json(capsys, small_step_config):
     from benchmarks import roofline
 
-    rows = roofline.run(json_lines=True, cfg=load_config(None), configs=("kuairand_1k",))
+    rows = roofline.run(json_lines=True, cfg=load_config(None), configs=("kuairand_1k",), top=None, peak_n=512, mib=16)
     assert _lines(capsys) == json.loads(json.dumps(rows))
     [r] = rows
     assert r["peak_flops"] > 0 and r["bandwidth_bytes_s"] > 0 and r["profiled_s"] > 0 and r["roofline_s"] > 0
@@ -78,6 +78,7 @@ def test_roofline_byte_and_flop_rules():
     assert op_bytes("aten::fill_", [[10, 4], []], [], False) == 4 * 40
     assert op_bytes("aten::mul", [[10, 4], [10, 4]], [], True) == 0      # a wrapper: its children move the data
     assert op_bytes("aten::view", [[10, 4], []], [], False) == 0
+    assert op_bytes("aten::cat", [[], []], [], False) is None            # tensor lists: not recorded
 
 
 def test_embedding_bench_json(capsys):
