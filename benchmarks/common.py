@@ -85,17 +85,19 @@ def synthetic_batch(mc, lengths, seed: int = 0, *, padded: bool = False, train: 
                       **extra)
 
 
+def timed_call(B, fn, *args) -> float:
+    """Wall seconds of one ``fn(*args)`` until its outputs are computed (``B.block_until_ready``:
+    no copy to the host)."""
+    t0 = time.perf_counter()
+    B.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
 def median_seconds(B, fn, *args, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall time of ``fn(*args)`` until its outputs are computed (``B.block_until_ready``:
-    no copy to the host) after ``warmup`` calls (JAX compiles in the first)."""
+    """Median ``timed_call`` of ``fn(*args)`` after ``warmup`` calls (JAX compiles in the first)."""
     for _ in range(warmup):
         B.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        B.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median([timed_call(B, fn, *args) for _ in range(repeats)]))
 
 
 COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -23,11 +23,10 @@ cache reuse and int64 indices are not modelled.
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 
-from .common import backends_for, device_label, emit, machine, matmul_peak
+from .common import backends_for, device_label, emit, machine, matmul_peak, median_seconds
 from .step import STEP_CONFIGS, prepare_step, step_setup
 
 TOP = 14
@@ -101,17 +100,9 @@ def op_bytes(name: str, shapes: list, args: list, has_children: bool) -> int | N
 
 def memory_bandwidth(B, mib: int = 256, repeats: int = 5) -> float:
     """Bytes/s of copying a ``mib`` MiB fp32 array (read + write)."""
-    torch = B._torch
-    a = torch.ones(mib << 18, device=B.torch_device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(repeats + 1):
-        B.block_until_ready(b)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        B.block_until_ready(b)
-        times.append(time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / float(np.median(times[1:]))
+    a = B._torch.ones(mib << 18, device=B.torch_device)
+    b = B._torch.empty_like(a)
+    return 2 * a.numel() * 4 / median_seconds(B, b.copy_, a, repeats=repeats)
 
 
 def roofline_step(B, cfg, batch_np, peak: float, bandwidth: float, top: int | None = TOP) -> dict:

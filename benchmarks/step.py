@@ -18,7 +18,6 @@ same dtype, measured in the same run.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from gr_functional.config import ModelConfig, load_config
 from gr_functional.tree import tree_leaves
 from gr_functional.train import init_opt_state, make_train_step
 
-from .common import kuairand_lengths, median_seconds, synthetic_batch
+from .common import kuairand_lengths, median_seconds, synthetic_batch, timed_call
 
 KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_heads=4, dqk=64, dv=64,
                           max_len=1024)
@@ -91,16 +90,10 @@ def alternate_steps(variants: dict, cfg, batch_np, repeats: int = 3) -> dict:
     same machine load, so their ratios hold on a shared machine where timing one after the other
     would mix the load's drift into them."""
     prepared = {label: prepare_step(B, cfg, batch_np) for label, B in variants.items()}
-    first = {}
-    for label, (one, _) in prepared.items():
-        t0 = time.perf_counter()
-        variants[label].block_until_ready(one())
-        first[label] = time.perf_counter() - t0
+    first = {label: timed_call(variants[label], one) for label, (one, _) in prepared.items()}
     times = {label: [] for label in variants}
     for _ in range(repeats):
         for label, (one, _) in prepared.items():
-            t0 = time.perf_counter()
-            variants[label].block_until_ready(one())
-            times[label].append(time.perf_counter() - t0)
+            times[label].append(timed_call(variants[label], one))
     return {label: {"seconds": float(np.median(times[label])), "first_s": first[label], **prepared[label][1]}
             for label in variants}

@@ -51,6 +51,17 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_recompute_bench_json(capsys, small_step_config):
+    from benchmarks import recompute
+
+    rows = recompute.run(json_lines=True, cfg=load_config(None), configs=("kuairand_1k",), repeats=1)
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [r["backend"] for r in rows] == ["torch", "jax"]
+    for r in rows:
+        assert r["seconds_off"] > 0 and r["seconds_on"] > 0 and r["memory_off"] > 0 and r["memory_on"] > 0
+    assert rows[0]["memory_kind"] == "autograd_saved" and rows[0]["memory_on"] < rows[0]["memory_off"]
+
+
 def test_roofline_bench_json(capsys, small_step_config):
     from benchmarks import roofline
 

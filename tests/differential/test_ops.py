@@ -279,66 +279,39 @@ def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
     assert get_backend("torch").jagged_min_work_ratio == 2.0    # CPU crossover (README "Speed")
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "jax"])
 @pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
-def test_torch_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items):
-    """Several row chunks, repeated ids within a row, fp32 and bf16: the chunked torch op vs the
-    reference formulation (Backend.sampled_logits) on the same backend, outputs and gradients."""
-    import torch
+def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, backend_name):
+    """torch's row-chunked autograd.Function and JAX's blocked custom-gradient op vs the reference
+    formulation (Backend.sampled_logits) on the same backend: several chunks and a partial one,
+    repeated ids within a row, fp32 and bf16, outputs and gradients."""
+    import importlib
 
-    from backends import torch as torch_backend
     from backends.base import Backend
 
-    B = get_backend("torch")
-    T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, n_items, 16, 8
+    B = get_backend(backend_name)
+    chunk_rows = importlib.import_module(f"backends.{backend_name}").SAMPLED_LOGITS_CHUNK_ROWS
+    T, N, R, D = 2 * chunk_rows + 37, n_items, 16, 8
     user = rng.standard_normal((T, D)).astype(np.float32)
     items = rng.standard_normal((N, D)).astype(np.float32)
     ids = rng.integers(0, N, (T, R)).astype(np.int32)
     ids[:, 1] = ids[:, 0]                                  # duplicates accumulate in backward
     cot = rng.standard_normal((T, R)).astype(np.float32)
-    for dtype, tol in ((torch.float32, FWD_TOL), (torch.bfloat16, 2e-2)):
+    reference_ids = (lambda x: x.long()) if backend_name == "torch" else (lambda x: x)  # torch gathers want int64
+    for dtype, tol in (("float32", FWD_TOL), ("bfloat16", 2e-2)):
         outs, grads = [], []
-        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits(B, u, i, x.long())):
-            u = torch.tensor(user, dtype=dtype, requires_grad=True)
-            it = torch.tensor(items, dtype=dtype, requires_grad=True)
-            out = op(u, it, torch.tensor(ids))
-            (out.float() * torch.tensor(cot)).sum().backward()
-            outs.append(out.float().detach().numpy())
-            grads.append((u.grad.float().numpy(), it.grad.float().numpy()))
+        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits(B, u, i, reference_ids(x))):
+            def loss(p, op=op):
+                out = B.cast(op(p["user"], p["items"], B.asarray(ids)), "float32")
+                return B.xp.sum(out * B.asarray(cot)), out
+
+            params = {"user": B.cast(B.asarray(user), dtype), "items": B.cast(B.asarray(items), dtype)}
+            (_, out), g = B.value_and_grad(loss, has_aux=True)(params)
+            outs.append(B.to_numpy(out))
+            grads.append(tuple(B.to_numpy(B.cast(g[key], "float32")) for key in ("user", "items")))
         assert rel_err(outs[0], outs[1]) <= tol
         assert rel_err(grads[0][0], grads[1][0]) <= tol
-        assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == torch.float32 else tol)
-
-
-@pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
-def test_jax_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items):
-    """JAX's blocked custom-gradient op vs the reference formulation (Backend.sampled_logits) on
-    the same backend: several blocks and a partial one, repeated ids within a row, fp32 and bf16,
-    outputs and gradients."""
-    import jax
-    import jax.numpy as jnp
-
-    from backends import jax as jax_backend
-    from backends.base import Backend
-
-    B = get_backend("jax")
-    T, N, R, D = 2 * jax_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, n_items, 16, 8
-    user = rng.standard_normal((T, D)).astype(np.float32)
-    items = rng.standard_normal((N, D)).astype(np.float32)
-    ids = rng.integers(0, N, (T, R)).astype(np.int32)
-    ids[:, 1] = ids[:, 0]                                  # duplicates accumulate in backward
-    cot = rng.standard_normal((T, R)).astype(np.float32)
-    for dtype, tol in ((jnp.float32, FWD_TOL), (jnp.bfloat16, 2e-2)):
-        outs, grads = [], []
-        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits(B, u, i, x)):
-            def loss(u, it):
-                out = op(u, it, jnp.asarray(ids))
-                return jnp.sum(out.astype(jnp.float32) * cot), out
-            (_, out), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(jnp.asarray(user, dtype), jnp.asarray(items, dtype))
-            outs.append(np.asarray(out.astype(jnp.float32)))
-            grads.append(tuple(np.asarray(x.astype(jnp.float32)) for x in g))
-        assert rel_err(outs[0], outs[1]) <= tol
-        assert rel_err(grads[0][0], grads[1][0]) <= tol
-        assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == jnp.float32 else tol)
+        assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == "float32" else tol)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
