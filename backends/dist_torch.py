@@ -11,6 +11,8 @@ gr_functional imports no array library, so the runner and the distributed train 
   all_reduce_sum(values)         SUM of a small host float64 vector (loss, timings)
   exchange_counts / all_to_all   the sizes and rows of an all-to-all (row-sharded tables);
   all_to_all_start               the same in the background on a second group: ``finish()``
+  lane()                         exchange_counts / all_to_all for ONE background thread (the
+                                 prefetch worker's id exchanges), on a process group of its own
   broadcast(obj, src=0)          a picklable object from ``src`` (checkpoint state, errors)
   barrier()
   progress(phase)                tell the watchdog the main thread moved on (phase: a short
@@ -297,9 +299,28 @@ class TorchCollective:
                                    lambda: self._dist.new_group(backend=self.backend, timeout=timeout))
         return self._all_to_all(x, send_counts, recv_counts, self._side)
 
-    def _all_to_all(self, x, send_counts, recv_counts, group):
+    def lane(self) -> "Lane":
+        """Blocking ``exchange_counts`` / ``all_to_all`` for one background thread, on a process
+        group of its own made now (a collective: every rank calls this at the same point, on the
+        main thread), so the thread's exchanges never interleave with the main thread's. The
+        prefetch worker routes each step's ids to their owners on it (``train.prefetch`` with a
+        row-sharded table); every rank's worker issues the same exchanges in the same order."""
+        timeout = datetime.timedelta(seconds=self.limits.collective_s)
+        group = self._run("prefetch process group", lambda: self._dist.new_group(backend=self.backend, timeout=timeout))
+        return Lane(self, group)
+
+    def _quiet(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``_run`` for a background thread: the same error (naming a dead peer), no progress
+        phases (those describe the main thread)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            self._collective_failed(what, exc)
+
+    def _all_to_all(self, x, send_counts, recv_counts, group, run=None):
         """Launch the exchange (blocking on the main group when ``group`` is None, asynchronous on
-        ``group`` otherwise); ``finish()`` returns what arrived."""
+        ``group`` otherwise); ``finish()`` returns what arrived (waiting through ``run``, default
+        ``_run``)."""
         torch = self._torch
         host = isinstance(x, np.ndarray)
         t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if host else x.contiguous()
@@ -315,7 +336,7 @@ class TorchCollective:
 
         def finish():
             if work is not None:
-                self._run("all-to-all (overlapped)", work.wait)
+                (run or self._run)("all-to-all (overlapped)", work.wait)
             got = out.view(t.dtype) if wide else out
             return got.cpu().numpy() if host else got
         return finish
@@ -437,6 +458,25 @@ class TorchCollective:
             self._run("final barrier", lambda: self._dist.barrier())
         finally:
             self._dist.destroy_process_group()
+
+
+class Lane:
+    """``TorchCollective.lane()``: the exchanges of one background thread on their own group."""
+
+    def __init__(self, comm: TorchCollective, group):
+        self.comm, self.group = comm, group
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def exchange_counts(self, send_counts) -> np.ndarray:
+        torch, dist = self.comm._torch, self.comm._dist
+        send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.comm.device)
+        recv = torch.empty_like(send)
+        self.comm._quiet("all-to-all of counts (prefetch)",
+                         lambda: dist.all_to_all_single(recv, send, group=self.group))
+        return recv.cpu().numpy()
+
+    def all_to_all(self, x, send_counts, recv_counts):
+        return self.comm._all_to_all(x, send_counts, recv_counts, self.group, run=self.comm._quiet)()
 
 
 class _Reducer:

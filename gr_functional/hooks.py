@@ -11,6 +11,7 @@ are the same with or without extra hooks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +54,9 @@ class LocalComm:
 
     def all_to_all_start(self, x, send_counts, recv_counts):
         return lambda: x
+
+    def lane(self):
+        return self
 
     def fail(self, message: str) -> None:
         pass
@@ -166,8 +170,11 @@ class LocalSteps:
         self.host = host if host is not None and host.sparse else None
         self.fn = make_train_step(B, cfg)
 
-    def batches(self, epoch: int, start: int):
-        return _groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        """The steps of epoch ``epoch`` from batch ``start``: lists of micro-batches, at most
+        ``limit`` of them (the steps ``train.max_steps`` leaves)."""
+        steps = _groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+        return itertools.islice(steps, limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         stats = None
@@ -179,9 +186,27 @@ class LocalSteps:
         return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
+@dataclasses.dataclass
+class Routed:
+    """One step of a rank whose item table is row-sharded, prepared where batches are built:
+    ``micro`` (its ``RankBatch``es), ``batches`` (theirs, ids rewritten to local indices into
+    ``ids``), ``ids`` (its distinct ids, int64 increasing), ``refs`` (how many ids the batches
+    named) and ``hops`` (``ShardedTable.route``: the ids already exchanged with their owners)."""
+
+    micro: list
+    batches: list
+    ids: np.ndarray
+    refs: int
+    hops: list
+
+
 class RankSteps:
     """Steps of one rank of a data-parallel run: its share of each global batch; gradients are
-    all-reduced inside the step (``train.make_dist_train_step``)."""
+    all-reduced inside the step (``train.make_dist_train_step``). With a row-sharded table
+    (``shard``), each step's id dedup, localisation and id exchange run where its batches are
+    built: ahead of the step on the prefetch worker (on a process group of its own,
+    ``comm.lane()``) when ``train.prefetch > 0``; the row exchange, which must see the updates
+    due before the step, stays in the step."""
 
     def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
         from .train import make_dist_train_step, make_sharded_dist_step
@@ -190,20 +215,33 @@ class RankSteps:
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse and shard is None else None
         self.shard, self.log_every = shard, cfg.train.log_every
+        self.lane = comm.lane() if shard is not None and self.prefetch else None
         self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
 
-    def batches(self, epoch: int, start: int):
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        """This rank's steps of epoch ``epoch`` from batch ``start``, at most ``limit`` (the steps
+        ``train.max_steps`` leaves: a worker that exchanges ids must stop where every rank's does)."""
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
-        return _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
-                                              with_ids=self.host is not None, prefetch=self.prefetch,
-                                              stats=self.prefetch_stats), self.k)
+        if self.shard is not None:
+            return self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact", prefetch=self.prefetch,
+                                          stats=self.prefetch_stats, group=self.k, finish=self._route, limit=limit)
+        steps = _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
+                                               with_ids=self.host is not None, prefetch=self.prefetch,
+                                               stats=self.prefetch_stats), self.k)
+        return itertools.islice(steps, limit)
+
+    def _route(self, micro: list) -> Routed:
+        from .embedding.lookup import batch_ids, localize, unique_ids
+
+        ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
+        return Routed(micro, [localize(rb.batch, ids) for rb in micro], ids, refs, self.shard.route(ids, self.lane))
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         self.comm.step = step
         self.comm.progress("step")
-        batches, stats = [rb.batch for rb in micro], None
         if self.shard is not None:
             return self._run_sharded(params, opt_state, micro, step, epoch)
+        batches, stats = [rb.batch for rb in micro], None
         if self.host is not None:
             # every rank maps the ids of the whole global step (the same rows everywhere)
             from .embedding.lookup import unique_ids
@@ -220,17 +258,17 @@ class RankSteps:
             rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=lookup_record(self.host, stats))
 
 
-    def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):
+    def _run_sharded(self, params, opt_state, routed: Routed, step: int, epoch: int):
         """A step with a row-sharded table: this rank's ids (not the global batch's) are looked
         up from their owners; the table's counters are summed over ranks on logged steps."""
-        from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
+        from .embedding.lookup import Lookup, LookupStats
 
         B, xp = self.B, self.B.xp
-        ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
-        rows, pending = self.shard.lookup(ids, step)
+        micro, ids, refs = routed.micro, routed.ids, routed.refs
+        rows, pending = self.shard.lookup(ids, step, routed.hops)
         # only ``touched`` matters here: ids without a row get no gradient (train._loss)
         touched = Lookup(None, np.concatenate([[False], pending.admitted]), None, None)
-        batches = [localize(rb.batch, ids, touched) for rb in micro]
+        batches = [dataclasses.replace(b, lookup=touched) for b in routed.batches]
         rows = xp.concat([xp.zeros((1, rows.shape[1]), dtype=rows.dtype, device=B.array_device), rows], axis=0)
         dev = [B.asarray_tree(b) for b in batches]
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],

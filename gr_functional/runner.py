@@ -791,7 +791,9 @@ def run_epochs(run: Run, hooks: list, steps, epoch: int, start: int | None, resu
             run.epoch = epoch
             for hook in hooks:
                 hook.on_epoch_start(run)
-            for micro in (steps.batches(epoch, start) if start is not None else ()):
+            # at most the steps max_steps leaves (a prefetch worker exchanging ids stops where every rank does)
+            limit = tc.max_steps - state.step if tc.max_steps else None
+            for micro in (steps.batches(epoch, start, limit) if start is not None else ()):
                 run.params, run.opt_state, step = steps.run(run.params, run.opt_state, micro, state.step + 1, epoch)
                 state.step += 1
                 _count_step(state, step, cfg)

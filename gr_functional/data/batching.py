@@ -398,11 +398,15 @@ class TrainLoader:
 
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
                    capacity: str | tuple[int, int] = "exact", with_ids: bool = False, prefetch: int = 0,
-                   stats: PrefetchStats | None = None) -> Iterator[RankBatch]:
+                   stats: PrefetchStats | None = None, group: int = 0, finish=None,
+                   limit: int | None = None) -> Iterator:
         """Like ``epoch`` but yields this rank's ``RankBatch`` of each global batch; moves the
-        position the same way (every rank holds the same position)."""
+        position the same way (every rank holds the same position). With ``group = k``: yields
+        ``finish(list of k consecutive RankBatches)`` (the last group of the epoch may be shorter),
+        ``finish`` running where the batches are built (on the worker with ``prefetch``), and at
+        most ``limit`` items."""
         return self._advance(e, start_step, lambda s: self.rank_batch(e, s, rank, capacity=capacity, with_ids=with_ids),
-                             prefetch, stats)
+                             prefetch, stats, group, finish, limit)
 
     def epoch(self, e: int, start_step: int = 0, *, prefetch: int = 0,
               stats: PrefetchStats | None = None) -> Iterator[HSTUBatch]:
@@ -411,19 +415,26 @@ class TrainLoader:
         the same batches, and the position still names the next batch the caller gets."""
         return self._advance(e, start_step, lambda s: self.batch(e, s), prefetch, stats)
 
-    def _advance(self, e: int, start_step: int, make, prefetch: int, stats) -> Iterator:
+    def _advance(self, e: int, start_step: int, make, prefetch: int, stats, group: int = 0, finish=None,
+                 limit: int | None = None) -> Iterator:
         n = self.steps_in_epoch(e)
+        size = max(group, 1)
 
         def items():  # (position after the item, item): built on the worker, applied on hand-out
-            for s in range(start_step, n):
-                yield ((e, s + 1) if s + 1 < n else (e + 1, 0)), make(s)
+            s, count = start_step, 0
+            while s < n and (limit is None or count < limit):
+                end = min(s + size, n)
+                built = [make(j) for j in range(s, end)]
+                yield ((e, end) if end < n else (e + 1, 0)), (finish(built) if group else built[0])
+                s, count = end, count + 1
 
         source = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
         try:
             for position, item in source:
                 self._epoch, self._step = position
                 yield item
-            self._epoch, self._step = e + 1, 0
+            if limit is None or start_step + limit * size >= n:  # the epoch's batches all handed out
+                self._epoch, self._step = e + 1, 0
         finally:
             source.close()
 

@@ -8,8 +8,12 @@ dropout masks, the rank split and its balancing. numpy's bulk draws and copies a
 release the GIL, so on two or more cores the build overlaps the step's compute.
 
 What stays on the main thread, by design: the id-to-row mapping of row-sparse tables
-(``EmbeddingHost.prepare``). It is stateful (inserts, evictions), and a checkpoint must hold the
-table state of the last *trained* step; mapping ahead would checkpoint a future state.
+(``EmbeddingHost.prepare``, and a row-sharded table's owner-side mapping in ``ShardedTable.lookup``).
+It is stateful (inserts, evictions), and a checkpoint must hold the table state of the last
+*trained* step; mapping ahead would checkpoint a future state. What a row-sharded table's step
+does move here (``hooks.RankSteps``): its id dedup, the rewrite to local indices and the id
+exchange with the owners (``ShardedTable.route``: an id's owner is a function of the id), on a
+process group of the worker's own.
 
 ``Prefetch.stats`` measures how much of the build was hidden: ``build_s`` (time the worker spent
 producing items), ``wait_s`` (time the consumer spent blocked on the queue); ``hidden`` =

@@ -4,9 +4,11 @@ Each id has an owner rank (``owners``: a hash of the id for hash tables, ``id % 
 ones); the owner holds its row and the row's optimizer state, and nobody else does. A step on
 rank q that needs the distinct ids ``u_q``:
 
-  1. sends each id to its owner (``all_to_all`` of int64 ids, grouped by destination); the owner
-     deduplicates what all ranks asked for, maps the ids to its rows (inserting / evicting in its
-     shard's ``HashTable``) and gathers them (fresh rows at their initial value);
+  1. sends each id to its owner (``route``: ``all_to_all`` of int64 ids, grouped by destination;
+     stateless, so with ``train.prefetch`` it runs ahead of the step on the prefetch worker); the
+     owner deduplicates what all ranks asked for, maps the ids to its rows (inserting / evicting
+     in its shard's ``HashTable``: stateful, in the step) and gathers them (fresh rows at their
+     initial value);
   2. sends each requester the rows it asked for (the reverse all-to-all of ``[n, D]`` rows);
   3. after the backward, sends the rows' gradients to the owners, which SUM them per id (the
      same sum an all-reduce of a replicated table's gradient gives) and apply the row-sparse
@@ -180,19 +182,19 @@ class ShardedTable:
         self.bytes[f"{what}_intra"] += int(counts[same & other].sum()) * row_bytes
         self.bytes[f"{what}_inter"] += int(counts[~same].sum()) * row_bytes
 
-    def _route(self, ids: np.ndarray) -> list:
-        """The hops carrying ``ids`` (this rank's distinct ids) to their owners."""
+    def route(self, ids: np.ndarray, comm=None) -> list:
+        """The hops carrying ``ids`` (this rank's distinct ids, int64 increasing) to their owners:
+        the id exchange of a lookup, stateless (an id's owner is a function of the id), so it may
+        run ahead of the step, on the prefetch worker's ``comm`` (default: the table's). Collective.
+        The hops' bytes are counted when ``lookup`` uses them."""
+        comm = comm or self.comm
         own = owners(ids, self.world, self.kind)
         if self.hierarchical:
             G = self.node_size
-            hop1 = _hop(self.comm, ids, self._node(self.rank) * G + own % G, self.world)
-            self._count("ids", hop1.send, 8)
-            hop2 = _hop(self.comm, hop1.unique, owners(hop1.unique, self.world, self.kind), self.world)
-            self._count("ids", hop2.send, 8)
+            hop1 = _hop(comm, ids, self._node(self.rank) * G + own % G, self.world)
+            hop2 = _hop(comm, hop1.unique, owners(hop1.unique, self.world, self.kind), self.world)
             return [hop1, hop2]
-        hop = _hop(self.comm, ids, own, self.world)
-        self._count("ids", hop.send, 8)
-        return [hop]
+        return [_hop(comm, ids, own, self.world)]
 
     def _row_bytes(self) -> int:
         return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
@@ -240,12 +242,15 @@ class ShardedTable:
             self._in_flight = None
 
     # ------------------------------------------------------------------ a step
-    def lookup(self, ids, step: int):
+    def lookup(self, ids, step: int, hops: list | None = None):
         """``(rows[U, D], pending)``: the rows of this rank's distinct non-zero ``ids`` (int64,
-        sorted), from their owners. Collective: every rank calls it once per step."""
+        sorted), from their owners; ``hops``: their ``route`` when it ran ahead (else routed
+        now). Collective: every rank calls it once per step."""
         B, xp = self.B, self.B.xp
         ids = np.asarray(ids, dtype=np.int64)
-        hops = self._route(ids)
+        hops = self.route(ids) if hops is None else hops
+        for hop in hops:
+            self._count("ids", hop.send, 8)
         mine = hops[-1].unique
         fresh = np.zeros(len(mine), bool)
         if self.table is None:

@@ -15,6 +15,8 @@ process, gradient accumulation, token budgets, bf16 / fp16, bounded staleness.
 """
 from __future__ import annotations
 
+import itertools
+
 import json
 import math
 import time
@@ -96,8 +98,9 @@ class RankingSteps:
         self.prefetch_stats = PrefetchStats()
         self.fn = make_ranking_step(B, cfg)
 
-    def batches(self, epoch: int, start: int):
-        return ([b] for b in self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats))
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        steps = ([b] for b in self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats))
+        return itertools.islice(steps, limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         (batch,) = micro
