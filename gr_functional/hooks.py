@@ -205,8 +205,13 @@ class RankSteps:
     all-reduced inside the step (``train.make_dist_train_step``). With a row-sharded table
     (``shard``), each step's id dedup, localisation and id exchange run where its batches are
     built: ahead of the step on the prefetch worker (on a process group of its own,
-    ``comm.lane()``) when ``train.prefetch > 0``; the row exchange, which must see the updates
-    due before the step, stays in the step."""
+    ``comm.lane()``) when ``train.prefetch > 0``. The row exchange must see the updates due
+    before the step: synchronous (``embedding.staleness = 0``) it stays in the step; with
+    staleness k >= 1 the update due at step i needs nothing step i computes, so a second worker
+    (``ahead``) lands it and looks up step i+1's rows (on another lane) while step i computes,
+    and step i only queues its gradients (``ShardedTable.land`` / ``queue``); the run is bitwise
+    the one without workers (checkpoints hold the table as of the last trained step:
+    ``ShardedTable.export``)."""
 
     def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
         from .train import make_dist_train_step, make_sharded_dist_step
@@ -216,6 +221,11 @@ class RankSteps:
         self.host = host if host is not None and host.sparse and shard is None else None
         self.shard, self.log_every = shard, cfg.train.log_every
         self.lane = comm.lane() if shard is not None and self.prefetch else None
+        self.ahead = shard is not None and bool(self.prefetch) and cfg.embedding.staleness >= 1
+        if self.ahead:
+            from .data.prefetch import Worker
+
+            self.serve_lane, self.worker, self._next = comm.lane(), Worker("grf-sparse"), None
         self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
@@ -224,7 +234,8 @@ class RankSteps:
         # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
         if self.shard is not None:
             return self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact", prefetch=self.prefetch,
-                                          stats=self.prefetch_stats, group=self.k, finish=self._route, limit=limit)
+                                          stats=self.prefetch_stats, group=self.k, finish=self._route, limit=limit,
+                                          pairs=self.ahead)
         steps = _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
                                                with_ids=self.host is not None, prefetch=self.prefetch,
                                                stats=self.prefetch_stats), self.k)
@@ -264,18 +275,38 @@ class RankSteps:
         from .embedding.lookup import Lookup, LookupStats
 
         B, xp = self.B, self.B.xp
+        routed, after = routed if self.ahead else (routed, None)
         micro, ids, refs = routed.micro, routed.ids, routed.refs
-        rows, pending = self.shard.lookup(ids, step, routed.hops)
+        if self.ahead and self._next is not None and self._next[0] == step:  # looked up during the last step
+            _, rows, pending = self._next
+            self.shard.count_bytes(pending)
+        else:
+            rows, pending = self.shard.lookup(ids, step, routed.hops)
+        self._next = None
         # only ``touched`` matters here: ids without a row get no gradient (train._loss)
         touched = Lookup(None, np.concatenate([[False], pending.admitted]), None, None)
         batches = [dataclasses.replace(b, lookup=touched) for b in routed.batches]
         rows = xp.concat([xp.zeros((1, rows.shape[1]), dtype=rows.dtype, device=B.array_device), rows], axis=0)
         dev = [B.asarray_tree(b) for b in batches]
+        ahead, box = None, {}
+        if self.ahead:
+            def ahead(land):  # land step i's due update, then look up step i+1's rows, while step i computes
+                def tick():
+                    land()
+                    if after is not None:
+                        return self.shard.lookup(after.ids, step + 1, after.hops, comm=self.serve_lane, count=False)
+                future = self.worker.submit(tick)
+                return lambda: box.setdefault("next", future.result())
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
-                                       sum(rb.global_tokens for rb in micro), rows, pending)
+                                       sum(rb.global_tokens for rb in micro), rows, pending, ahead)
+        if box.get("next") is not None:
+            next_rows, next_pending = box["next"]
+            if not bool(m["finite"]):  # the skipped step took its due update back: read the rows again
+                next_rows = self.shard.serve(next_pending)
+            self._next = (step + 1, next_rows, next_pending)
         record = None
         if step % self.log_every == 0:
-            c = self.shard.table.counters() if self.shard.table is not None else {}
+            c = self.shard.counters()
             keys = [k for k in ("lookups", "hits", "inserts", "evictions", "rejected", "overflow", "occupancy") if k in c]
             total = self.comm.all_reduce_sum([refs, len(ids), *(c[k] for k in keys), *self.shard.bytes.values()])
             stats = LookupStats(int(total[0]), int(total[1]), 4 * rows.shape[1])

@@ -423,8 +423,8 @@ def make_dist_train_step(B, cfg: Config, comm):
 
 
 def make_sharded_dist_step(B, cfg: Config, comm, table):
-    """``step(params, opt_state, micro, tokens, global_tokens, rows, pending)`` for one rank of a
-    data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
+    """``step(params, opt_state, micro, tokens, global_tokens, rows, pending, ahead=None)`` for one
+    rank of a data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
     ``table``: this rank's ``embedding.sharding.ShardedTable``).
 
     ``params`` holds the dense parameters only; ``rows[U + 1, D]`` are the rows of this rank's
@@ -433,15 +433,22 @@ def make_sharded_dist_step(B, cfg: Config, comm, table):
     ``make_dist_train_step``; the rows' gradients stay local and go to the owners
     (``table.update``), which sum them over ranks and apply the row-sparse optimizer. The step
     is skipped everywhere when any rank's row gradients are not finite. Dense AdamW and the guard
-    see the dense parameters (the update ratio leaves the rows out)."""
+    see the dense parameters (the update ratio leaves the rows out).
+
+    ``ahead`` (staleness k >= 1, ``hooks.RankSteps``): called at the start with the first half of
+    the table's update (``table.land``, which needs nothing this step computes), it runs it
+    elsewhere (with the next step's lookup) and returns a function waiting for it; the step then
+    only ``table.queue``s its gradients. The result is the same as without it."""
     loss_fn = partial(_loss, B, cfg=cfg)
     local_vg = B.value_and_grad(loss_fn, has_aux=True)
     reduced_vg = comm.value_and_grad(B, loss_fn, has_aux=True, local=(TABLE,))
     R = comm.world_size
     ocfg = dataclasses.replace(cfg.optim, lr=cfg.embedding.lr or cfg.optim.lr)
 
-    def step(params, opt_state, micro, tokens, global_tokens, rows, pending):
+    def step(params, opt_state, micro, tokens, global_tokens, rows, pending, ahead=None):
         xp = B.xp
+        lr = learning_rate(xp, opt_state["step"] + 1.0, ocfg)  # this update's (unused when skipped)
+        landed = ahead(lambda: table.land(pending, lr, ocfg)) if ahead is not None else None
         comm.start_step()
         scales = rank_scales(tokens, global_tokens, R)
         view = {**params, TABLE: rows}
@@ -457,8 +464,11 @@ def make_sharded_dist_step(B, cfg: Config, comm, table):
         loss = B.asarray(vec[0], dtype=B.float_dtype)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
                                                   grads, cfg, others_ok=B.asarray(bool(vec[1] == 0)))
-        lr = learning_rate(xp, opt_state["step"], ocfg)  # this update's count (unused when skipped)
-        table.update(pending, row_grads, lr, ocfg, ok=metrics["finite"])
+        if landed is None:
+            table.update(pending, row_grads, lr, ocfg, ok=metrics["finite"])
+        else:
+            landed()
+            table.queue(pending, row_grads, ok=metrics["finite"])
         metrics.update(compute_s=compute, wait_s=wait, rank_compute_s=[float(x) for x in vec[2:2 + R]],
                        rank_cpu_s=[float(x) for x in vec[2 + R:]])
         return params, opt_state, metrics

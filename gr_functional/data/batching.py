@@ -163,6 +163,17 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
                                block_keep=take(batch.block_keep, axis=1))
 
 
+def _pairs(source) -> Iterator:
+    """``(position, item)`` -> ``(position, (item, next item or None))``."""
+    before = None
+    for position, item in source:
+        if before is not None:
+            yield before[0], (before[1], item)
+        before = (position, item)
+    if before is not None:
+        yield before[0], (before[1], None)
+
+
 class TrainLoader:
     """Epochs of training batches over the users of ``data`` (use ``leave_one_out(...).train``).
 
@@ -399,14 +410,15 @@ class TrainLoader:
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
                    capacity: str | tuple[int, int] = "exact", with_ids: bool = False, prefetch: int = 0,
                    stats: PrefetchStats | None = None, group: int = 0, finish=None,
-                   limit: int | None = None) -> Iterator:
+                   limit: int | None = None, pairs: bool = False) -> Iterator:
         """Like ``epoch`` but yields this rank's ``RankBatch`` of each global batch; moves the
         position the same way (every rank holds the same position). With ``group = k``: yields
         ``finish(list of k consecutive RankBatches)`` (the last group of the epoch may be shorter),
         ``finish`` running where the batches are built (on the worker with ``prefetch``), and at
-        most ``limit`` items."""
+        most ``limit`` items. ``pairs``: yields ``(item, next item or None at the end)``, the
+        position still naming what follows ``item``."""
         return self._advance(e, start_step, lambda s: self.rank_batch(e, s, rank, capacity=capacity, with_ids=with_ids),
-                             prefetch, stats, group, finish, limit)
+                             prefetch, stats, group, finish, limit, pairs)
 
     def epoch(self, e: int, start_step: int = 0, *, prefetch: int = 0,
               stats: PrefetchStats | None = None) -> Iterator[HSTUBatch]:
@@ -416,7 +428,7 @@ class TrainLoader:
         return self._advance(e, start_step, lambda s: self.batch(e, s), prefetch, stats)
 
     def _advance(self, e: int, start_step: int, make, prefetch: int, stats, group: int = 0, finish=None,
-                 limit: int | None = None) -> Iterator:
+                 limit: int | None = None, pairs: bool = False) -> Iterator:
         n = self.steps_in_epoch(e)
         size = max(group, 1)
 
@@ -424,11 +436,12 @@ class TrainLoader:
             s, count = start_step, 0
             while s < n and (limit is None or count < limit):
                 end = min(s + size, n)
-                built = [make(j) for j in range(s, end)]
-                yield ((e, end) if end < n else (e + 1, 0)), (finish(built) if group else built[0])
+                made = [make(j) for j in range(s, end)]
+                yield ((e, end) if end < n else (e + 1, 0)), (finish(made) if group else made[0])
                 s, count = end, count + 1
 
-        source = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
+        built = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
+        source = _pairs(built) if pairs else built
         try:
             for position, item in source:
                 self._epoch, self._step = position
@@ -436,7 +449,7 @@ class TrainLoader:
             if limit is None or start_step + limit * size >= n:  # the epoch's batches all handed out
                 self._epoch, self._step = e + 1, 0
         finally:
-            source.close()
+            built.close()
 
     def __iter__(self) -> Iterator[HSTUBatch]:
         """The rest of the current epoch, from the saved position."""

@@ -24,7 +24,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterable, Iterator
+from concurrent.futures import Future
+from typing import Callable, Iterable, Iterator
 
 _DONE = object()
 
@@ -160,3 +161,32 @@ class Prefetch:
             self._stop.set()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class Worker:
+    """One daemon thread running submitted functions in order (``submit(fn) -> Future``): the
+    sparse side of a pipelined step (``hooks.RankSteps``). A daemon, so a function blocked in a
+    collective whose peer died never holds the process at exit (the watchdog reports the peer)."""
+
+    def __init__(self, name: str = "grf-worker"):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            fn, future = self._queue.get()
+            if fn is None:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put((None, None))

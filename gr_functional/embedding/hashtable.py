@@ -237,15 +237,25 @@ class CountMinSketch:
         with np.errstate(over="ignore"):
             self.salts = mix64(np.arange(1, depth + 1, dtype=np.uint64) + _u64(seed) * np.uint64(depth + 1))
 
+    def _cells(self, ids: np.ndarray) -> list:
+        keys = _as_key(ids)
+        mask = np.uint64(self.table.shape[1] - 1)
+        return [(mix64(keys ^ salt) & mask).astype(np.int64) for salt in self.salts]
+
     def add(self, ids: np.ndarray) -> np.ndarray:
         """Count one sighting of each of ``ids[n]`` (distinct int64); returns ``[n]`` int32
         estimates read after all n increments."""
-        keys = _as_key(ids)
-        mask = np.uint64(self.table.shape[1] - 1)
-        cells = [(mix64(keys ^ salt) & mask).astype(np.int64) for salt in self.salts]
+        cells = self._cells(ids)
         for row, h in zip(self.table, cells):
             np.add.at(row, h, 1)  # distinct ids may share a cell: each sighting counts
-        return np.min([row[h] for row, h in zip(self.table, cells)], axis=0) if len(keys) else np.zeros(0, np.int32)
+        return np.min([row[h] for row, h in zip(self.table, cells)], axis=0) if len(cells[0]) else np.zeros(0, np.int32)
+
+    def without(self, ids: np.ndarray) -> np.ndarray:
+        """A copy of ``table`` as it was before ``add(ids)``."""
+        table = self.table.copy()
+        for row, h in zip(table, self._cells(ids)):
+            np.subtract.at(row, h, 1)
+        return table
 
 
 # ----------------------------------------------------------------------------- HashTable
@@ -258,7 +268,26 @@ class Assignment:
     fresh: np.ndarray
 
 
+@dataclasses.dataclass(frozen=True)
+class Undo:
+    """What one ``assign`` changed, to read the table as it was before it (``HashTable.before``):
+    the counters and ``next_free`` before, the hit rows' and the victims' use statistics before
+    (and the victims' ids), and the ids counted in the sketch."""
+
+    totals: dict
+    next_free: int
+    hit_rows: np.ndarray
+    hit_last_used: np.ndarray
+    hit_count: np.ndarray
+    victims: np.ndarray
+    victim_ids: np.ndarray
+    victim_last_used: np.ndarray
+    victim_count: np.ndarray
+    sketched: np.ndarray
+
+
 _COUNTERS = ("lookups", "hits", "inserts", "evictions", "rejected", "overflow")
+_NO_VICTIMS = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 _CONFIG = ("capacity", "policy", "min_count", "seed", "sketch_width")
 
 
@@ -290,6 +319,8 @@ class HashTable:
         width = sketch_width or max(1024, _pow2_at_least(4 * capacity))
         self.sketch = CountMinSketch(width, seed=self.seed) if self.min_count > 1 else None
         self.totals = dict.fromkeys(_COUNTERS, 0)
+        self.undo: Undo | None = None  # the last ``assign``'s changes (``before``)
+        self._victims = _NO_VICTIMS
 
     # ------------------------------------------------------------------ the step's call
     def assign(self, ids, step: int) -> Assignment:
@@ -300,12 +331,15 @@ class HashTable:
             raise ValueError(f"HashTable.assign: ids must be 1-D, got shape {ids.shape}")
         rows = np.zeros(len(ids), np.int32)
         fresh = np.zeros(len(ids), bool)
+        totals, next_free = dict(self.totals), self.next_free
         real = np.flatnonzero(ids != 0)
         found = self.map.get(ids[real])
         hit = found >= 0
         hit_rows = found[hit]
         rows[real[hit]] = hit_rows
+        hit_last_used, hit_count = self.last_used[hit_rows], self.count[hit_rows]
         self._touch(hit_rows, step)
+        self._victims = _NO_VICTIMS
         self.totals["lookups"] += len(real)
         self.totals["hits"] += len(hit_rows)
 
@@ -317,6 +351,8 @@ class HashTable:
             self._insert(ids[placed], new_rows, step)
             rows[placed] = new_rows
             fresh[placed] = True
+        sketched = ids[real[~hit]] if self.sketch is not None else np.zeros(0, np.int64)
+        self.undo = Undo(totals, next_free, hit_rows, hit_last_used, hit_count, *self._victims, sketched)
         return Assignment(rows, fresh)
 
     def _touch(self, rows: np.ndarray, step: int) -> None:
@@ -368,6 +404,7 @@ class HashTable:
         else:
             order = (self.count[cand], self.last_used[cand], self.row_id[cand])
         victims = cand[_smallest(order, n)]
+        self._victims = (victims, self.row_id[victims], self.last_used[victims], self.count[victims])
         self.map.delete(self.row_id[victims])
         self.live[victims] = False
         self.totals["evictions"] += n
@@ -389,14 +426,36 @@ class HashTable:
         """int64 indices of the rows that hold an id, increasing."""
         return np.flatnonzero(self.live)
 
-    def counters(self) -> dict:
+    def counters(self, undo: Undo | None = None) -> dict:
         """Cumulative ints: lookups (non-zero ids passed to ``assign``), hits, inserts, evictions,
         rejected (absent, below min_count), overflow (admitted, no row to give); and occupancy
-        (live rows now), capacity, hit_rate (hits / lookups, 0.0 before any lookup)."""
-        out = dict(self.totals)
-        out.update(occupancy=int(np.count_nonzero(self.live)), capacity=self.capacity,
-                   hit_rate=self.totals["hits"] / self.totals["lookups"] if self.totals["lookups"] else 0.0)
+        (live rows now), capacity, hit_rate (hits / lookups, 0.0 before any lookup). With the
+        last ``assign``'s ``undo``: as they were before it (live rows are always 1..next_free-1)."""
+        out = dict(self.totals if undo is None else undo.totals)
+        live = int(np.count_nonzero(self.live)) if undo is None else undo.next_free - 1
+        out.update(occupancy=live, capacity=self.capacity,
+                   hit_rate=out["hits"] / out["lookups"] if out["lookups"] else 0.0)
         return out
+
+    def before(self, undo: Undo) -> "HashTable":
+        """A copy of this table as it was before the ``assign`` that recorded ``undo`` (its last
+        one): what a checkpoint holds when that call ran ahead of the step it serves (the map
+        itself is rebuilt from the ids, as ``import_ids`` does)."""
+        old = HashTable(self.capacity, policy=self.policy, min_count=self.min_count, seed=self.seed,
+                        sketch_width=self.sketch.table.shape[1] if self.sketch is not None else 0)
+        row_id, live = self.row_id.copy(), self.live.copy()
+        last_used, count = self.last_used.copy(), self.count.copy()
+        taken = np.arange(undo.next_free, self.next_free)
+        live[taken], row_id[taken] = False, 0
+        live[undo.victims], row_id[undo.victims] = True, undo.victim_ids
+        last_used[undo.victims], count[undo.victims] = undo.victim_last_used, undo.victim_count
+        last_used[undo.hit_rows], count[undo.hit_rows] = undo.hit_last_used, undo.hit_count
+        rows = np.flatnonzero(live)
+        old.import_ids(row_id[rows], last_used[rows], count[rows])
+        old.totals = dict(undo.totals)
+        if self.sketch is not None:
+            old.sketch.table = self.sketch.without(undo.sketched)
+        return old
 
     # ------------------------------------------------------------------ row-independent form
     def export(self) -> dict:

@@ -109,8 +109,10 @@ class Pending:
     hops: list
     rows: np.ndarray        # owner: shard rows of the last hop's unique ids (0 = not admitted)
     fresh: np.ndarray       # owner: rows (re)initialised by this lookup
-    values: object          # owner: their values as looked up [n, D] (fresh rows at their init)
-    admitted: np.ndarray    # requester: which of its ids got a row (the others read zeros)
+    values: object = None   # owner: their values as looked up [n, D] (fresh rows at their init)
+    admitted: np.ndarray = None  # requester: which of its ids got a row (the others read zeros)
+    step: int = 0
+    sent: dict = dataclasses.field(default_factory=dict)  # bytes this lookup sent, counted on use
 
 
 class ShardedTable:
@@ -151,18 +153,39 @@ class ShardedTable:
         self.staleness = staleness
         self.pending = rowopt.init_pending(B, staleness, dim)
         self._in_flight = None  # the newest queued update's gradient exchange, still running
+        self._landed = None     # the due update ``land`` applied: (rows, values, state) before it
+        self._served = 0        # the step of the last lookup (it may run ahead of the step trained)
+        self._trained = 0       # the step of the last update queued
         self.bytes = dict.fromkeys(("ids_intra", "ids_inter", "rows_intra", "rows_inter", "grads_intra",
                                     "grads_inter"), 0)
 
     def _dense_rows_of(self, ids: np.ndarray) -> np.ndarray:
         return (ids // self.world + 1).astype(np.int32)
 
-    def _ids_of_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The id each shard row holds (0 for row 0 and free rows)."""
+    def _ids_of_rows(self, rows: np.ndarray, table=None) -> np.ndarray:
+        """The id each shard row holds (0 for row 0 and free rows) in ``table`` (default the
+        shard's hash table)."""
         rows = np.asarray(rows, np.int64)
         if self.table is None:
             return np.where(rows > 0, (rows - 1) * self.world + self.rank, 0)
-        return self.table.row_ids()[rows]
+        return (table or self.table).row_ids()[rows]
+
+    def _ahead(self) -> bool:
+        """A lookup ran ahead of the step trained last (``land``): the hash table holds its ids."""
+        return self.table is not None and self._served > self._trained and self.table.undo is not None
+
+    def _trained_table(self):
+        """The hash table as of the last trained step (before a lookup that ran ahead; None for a
+        dense shard): what checkpoints and evaluation see, so they equal a run without the worker."""
+        if self.table is None or not self._ahead():
+            return self.table
+        return self.table.before(self.table.undo)
+
+    def counters(self) -> dict:
+        """The hash shard's ``HashTable.counters`` as of the last trained step ({} when dense)."""
+        if self.table is None:
+            return {}
+        return self.table.counters(self.table.undo if self._ahead() else None)
 
     def _rows_of_ids(self, ids: np.ndarray) -> np.ndarray:
         """This shard's row of each id it holds (0 for id 0 and absent ids)."""
@@ -174,13 +197,21 @@ class ShardedTable:
     def _node(self, ranks):
         return np.asarray(ranks) // (self.node_size or 1)
 
-    def _count(self, what: str, counts: np.ndarray, row_bytes: int) -> None:
-        """Bytes this rank sends to other ranks (its chunk to itself never leaves it)."""
+    def _count(self, what: str, counts: np.ndarray, row_bytes: int, into: dict | None = None) -> None:
+        """Bytes this rank sends to other ranks (its chunk to itself never leaves it), added to
+        ``into`` (default ``self.bytes``)."""
+        into = self.bytes if into is None else into
         peers = np.arange(self.world)
         same = self._node(peers) == self._node(self.rank)
         other = peers != self.rank
-        self.bytes[f"{what}_intra"] += int(counts[same & other].sum()) * row_bytes
-        self.bytes[f"{what}_inter"] += int(counts[~same].sum()) * row_bytes
+        for key, n in ((f"{what}_intra", counts[same & other]), (f"{what}_inter", counts[~same])):
+            into[key] = into.get(key, 0) + int(n.sum()) * row_bytes
+
+    def count_bytes(self, pending: Pending) -> None:
+        """Add what ``pending``'s lookup sent to ``self.bytes`` (when its step runs)."""
+        for key, n in pending.sent.items():
+            self.bytes[key] += n
+        pending.sent = {}
 
     def route(self, ids: np.ndarray, comm=None) -> list:
         """The hops carrying ``ids`` (this rank's distinct ids, int64 increasing) to their owners:
@@ -199,26 +230,27 @@ class ShardedTable:
     def _row_bytes(self) -> int:
         return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
 
-    def _send(self, what: str, rows, send, recv, later: bool = False):
+    def _send(self, what: str, rows, send, recv, later: bool = False, comm=None, into: dict | None = None):
         """``rows`` (destination-major, ``send[r]`` for rank r) through one all-to-all in the
-        exchange precision (rows and their scales), counted as ``what``; the rows received, or
-        with ``later`` a function returning them (the exchange runs in the background meanwhile:
-        ``comm.all_to_all_start``)."""
+        exchange precision (rows and their scales), counted as ``what`` (into ``into``); the rows
+        received, or with ``later`` a function returning them (the exchange runs in the background
+        meanwhile: ``comm.all_to_all_start``). ``comm``: default the table's."""
+        comm = comm or self.comm
         payload, scale = encode(self.B, rows, self.precision)
-        self._count(what, send, self._row_bytes())
+        self._count(what, send, self._row_bytes(), into)
         if later:
-            got = self.comm.all_to_all_start(payload, send, recv)
-            got_scale = None if scale is None else self.comm.all_to_all_start(scale, send, recv)
+            got = comm.all_to_all_start(payload, send, recv)
+            got_scale = None if scale is None else comm.all_to_all_start(scale, send, recv)
             return lambda: decode(self.B, got(), None if got_scale is None else got_scale(), self.precision)
-        got = self.comm.all_to_all(payload, send, recv)
-        got_scale = None if scale is None else self.comm.all_to_all(scale, send, recv)
+        got = comm.all_to_all(payload, send, recv)
+        got_scale = None if scale is None else comm.all_to_all(scale, send, recv)
         return decode(self.B, got, got_scale, self.precision)
 
-    def _back(self, hop: Hop, values):
+    def _back(self, hop: Hop, values, comm=None, into: dict | None = None):
         """Rows for ``hop.unique`` back to the senders; returns them in the sender's item order."""
         B = self.B
         expanded = B.gather_rows(values, B.asarray(hop.inverse.astype(np.int32)))
-        arrived = self._send("rows", expanded, hop.recv, hop.send)
+        arrived = self._send("rows", expanded, hop.recv, hop.send, comm=comm, into=into)
         inv = np.empty_like(hop.order)
         inv[hop.order] = np.arange(len(hop.order))
         return B.gather_rows(arrived, B.asarray(inv.astype(np.int32)))
@@ -242,15 +274,14 @@ class ShardedTable:
             self._in_flight = None
 
     # ------------------------------------------------------------------ a step
-    def lookup(self, ids, step: int, hops: list | None = None):
+    def lookup(self, ids, step: int, hops: list | None = None, comm=None, count: bool = True):
         """``(rows[U, D], pending)``: the rows of this rank's distinct non-zero ``ids`` (int64,
         sorted), from their owners; ``hops``: their ``route`` when it ran ahead (else routed
-        now). Collective: every rank calls it once per step."""
-        B, xp = self.B, self.B.xp
+        now). Collective: every rank calls it once per step, on ``comm`` (default the table's; the
+        sparse worker's lane when it runs ahead of its step, see ``land``). ``count`` False leaves
+        the bytes it sent in ``pending.sent`` for ``count_bytes`` when the step runs."""
         ids = np.asarray(ids, dtype=np.int64)
         hops = self.route(ids) if hops is None else hops
-        for hop in hops:
-            self._count("ids", hop.send, 8)
         mine = hops[-1].unique
         fresh = np.zeros(len(mine), bool)
         if self.table is None:
@@ -258,6 +289,22 @@ class ShardedTable:
         else:
             got = self.table.assign(mine, step)
             rows, fresh = got.rows, got.fresh
+        self._served = step
+        pending = Pending(hops, rows, fresh, step=step)
+        for hop in hops:
+            self._count("ids", hop.send, 8, pending.sent)
+        out = self.serve(pending, comm)
+        if count:
+            self.count_bytes(pending)
+        return out, pending
+
+    def serve(self, pending: Pending, comm=None):
+        """The rows ``[U, D]`` of ``pending``'s ids, read from this shard's current values (fresh
+        rows at their initial value) and sent back to the requesters (``pending.values`` and
+        ``.admitted`` are set). ``lookup`` calls it; called again, it re-reads rows an update
+        changed since (a skipped step, ``queue``). Collective."""
+        B, xp = self.B, self.B.xp
+        mine, rows, fresh = pending.hops[-1].unique, pending.rows, pending.fresh
         values = B.gather_rows(self.values, B.asarray(rows))
         if fresh.any():
             init = np.zeros((len(mine), self.dim), np.float32)
@@ -266,14 +313,15 @@ class ShardedTable:
             values = xp.where(xp.reshape(B.asarray(fresh), (-1, 1)), B.asarray(init), values)
         out = values
         flags = (rows > 0).astype(np.int64)
-        for hop in reversed(hops):
-            out = self._back(hop, out)
-            flags = self._back_flags(hop, flags)
-        return out, Pending(hops, rows, fresh, values, flags.astype(bool))
+        for hop in reversed(pending.hops):
+            out = self._back(hop, out, comm, pending.sent)
+            flags = self._back_flags(hop, flags, comm)
+        pending.values, pending.admitted = values, flags.astype(bool)
+        return out
 
-    def _back_flags(self, hop: Hop, flags: np.ndarray) -> np.ndarray:
+    def _back_flags(self, hop: Hop, flags: np.ndarray, comm=None) -> np.ndarray:
         """Host flags of ``hop.unique`` back to the senders, in the sender's item order."""
-        got = self.comm.all_to_all(flags[hop.inverse], hop.recv, hop.send)
+        got = (comm or self.comm).all_to_all(flags[hop.inverse], hop.recv, hop.send)
         out = np.empty_like(got)
         out[hop.order] = got
         return out
@@ -282,40 +330,71 @@ class ShardedTable:
         """Push this rank's row gradients ``grads[U, D]`` (``lookup``'s order) to the owners,
         which sum them per id and apply the row-sparse optimizer to their rows (``ok`` False:
         a skipped step, only fresh rows' initial values are written). With ``staleness = k`` the
-        owner applies the update queued k steps ago instead and queues this one, as a replicated
-        table does (``rowopt.refresh_rows``: fresh rows written and reset now, their queued
-        updates dropped; a skipped step drops its own and the due update), and the gradient
-        exchange's last hop runs in the background until the next update (or ``export``) waits
-        for it: step i's gradients travel while step i+1 looks up and computes. Collective."""
+        owner applies the update queued k steps ago instead and queues this one (``land`` then
+        ``queue``), as a replicated table does. Collective."""
         B, xp = self.B, self.B.xp
-        self._settle()
+        if self.staleness:
+            self.land(pending, lr, cfg)
+            self.queue(pending, grads, ok)
+            return
         g = grads
-        for i, hop in enumerate(pending.hops):
-            # stale: the last hop's exchange overlaps the next step (lookup, compute) and is waited
-            # for at the next update, before the update it carries can be due (k >= 1 steps later)
-            g = self._forward_grads(hop, g, later=bool(self.staleness) and i == len(pending.hops) - 1)
+        for hop in pending.hops:
+            g = self._forward_grads(hop, g)
         rows = B.asarray(pending.rows)
         fresh = B.asarray(pending.fresh)
         ok = B.asarray(ok) if isinstance(ok, bool) else ok
         keep = lambda n, o: xp.where(ok, n, o)  # noqa: E731
-        if self.staleness:
-            self.values, self.state, queue = rowopt.refresh_rows(B, self.values, self.state, self.pending,
-                                                                 pending.values, rows, fresh)
-            due = queue[0]["rows"]
-            values, old_state = B.gather_rows(self.values, due), rowopt.gather_state(B, self.state, due)
-            new, new_state = rowopt.row_update(B, self.optimizer, values, queue[0]["grads"], old_state, due > 0,
-                                               lr, cfg)
-            self.values = B.set_rows(self.values, due, keep(new, values))
-            self.state = rowopt.scatter_state(B, self.state, due, tree_map(keep, new_state, old_state))
-            mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
-            self.pending, self._in_flight = [*queue[1:], {"rows": mine, "grads": None}], (g, ok)
-            return
         touched = rows > 0
         old_state = tree_map(lambda s: xp.where(xp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), xp.zeros_like(s), s),
                              rowopt.gather_state(B, self.state, rows))
         new, new_state = rowopt.row_update(B, self.optimizer, pending.values, g, old_state, touched, lr, cfg)
         self.values = B.set_rows(self.values, rows, keep(new, pending.values))
         self.state = rowopt.scatter_state(B, self.state, rows, tree_map(keep, new_state, old_state))
+        self._trained = pending.step
+
+    def land(self, pending: Pending, lr, cfg: OptimConfig) -> None:
+        """Staleness k >= 1, the first half of step i's update (needs nothing step i computes):
+        wait for the last queued gradients' exchange, write step i's looked-up rows (fresh rows
+        at their initial value, a zero state; ``rowopt.refresh_rows`` drops queued updates of
+        re-assigned rows) and apply the update due now (queued k steps ago) at ``lr`` (update
+        i's). Step i+1's lookup may follow at once: it reads exactly what it would after step i.
+        So ``land`` and the next lookup can run on a worker while step i computes
+        (``hooks.RankSteps``); if step i is then skipped, ``queue`` takes the due update back."""
+        B = self.B
+        self._settle()
+        rows, fresh = B.asarray(pending.rows), B.asarray(pending.fresh)
+        self.values, self.state, queue = rowopt.refresh_rows(B, self.values, self.state, self.pending,
+                                                             pending.values, rows, fresh)
+        due = queue[0]["rows"]
+        values, old_state = B.gather_rows(self.values, due), rowopt.gather_state(B, self.state, due)
+        new, new_state = rowopt.row_update(B, self.optimizer, values, queue[0]["grads"], old_state, due > 0, lr, cfg)
+        self.values = B.set_rows(self.values, due, new)
+        self.state = rowopt.scatter_state(B, self.state, due, new_state)
+        self.pending, self._landed = queue[1:], (due, values, old_state)
+
+    def queue(self, pending: Pending, grads, ok=True) -> bool:
+        """Staleness k >= 1, the second half of step i's update: this rank's row gradients to the
+        owners, the last hop in the background until the next ``land`` (or ``export``) waits for
+        it (step i's gradients travel while step i+1 looks up and computes), queued as update i
+        (zeros, and no rows, for a skipped step). A skipped step (``ok`` False) also takes back
+        the due update ``land`` applied, as the synchronous rule has it (a skipped step drops its
+        own gradient and the update due at it); returns whether it did (a lookup made since read
+        the rows with it: ``serve`` it again). Collective."""
+        B, xp = self.B, self.B.xp
+        g = grads
+        for i, hop in enumerate(pending.hops):
+            g = self._forward_grads(hop, g, later=i == len(pending.hops) - 1)
+        ok = B.asarray(ok) if isinstance(ok, bool) else ok
+        rows = B.asarray(pending.rows)
+        undone = not bool(ok)
+        if undone:  # restore the due rows (never fresh rows: refresh dropped those from the queue)
+            due, values, old_state = self._landed
+            self.values = B.set_rows(self.values, due, values)
+            self.state = rowopt.scatter_state(B, self.state, due, old_state)
+        mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
+        self.pending, self._in_flight = [*self.pending, {"rows": mine, "grads": None}], (g, ok)
+        self._landed, self._trained = None, pending.step
+        return undone
 
     # ------------------------------------------------------------------ checkpoints
     def export(self) -> dict:
@@ -325,13 +404,14 @@ class ShardedTable:
         any number of shards from them."""
         B = self.B
         self._settle()
-        if self.table is None:
+        table = self._trained_table()
+        if table is None:
             ids = np.arange(self.rank, self.dense_rows.shape[0], self.world, dtype=np.int64)
             ids = ids[ids > 0]
             rows = self._dense_rows_of(ids)
             out = {}
         else:
-            out = self.table.export()
+            out = table.export()
             ids, rows = out.pop("ids"), out.pop("rows")
         r = B.asarray(rows.astype(np.int32))
         out.update(ids=ids, bytes=np.asarray(list(self.bytes.values()), np.int64),
@@ -340,7 +420,8 @@ class ShardedTable:
         if self.staleness:  # the queued updates by id (slot 0 the oldest), row-independent as the rest
             slots = [np.full(len(p["rows"]), i, np.int32) for i, p in enumerate(self.pending)]
             out.update(pending_slot=np.concatenate(slots),
-                       pending_ids=np.concatenate([self._ids_of_rows(B.to_numpy(p["rows"])) for p in self.pending]),
+                       pending_ids=np.concatenate([self._ids_of_rows(B.to_numpy(p["rows"]), table)
+                                                   for p in self.pending]),
                        pending_grads=np.concatenate([B.to_numpy(p["grads"]) for p in self.pending]))
         return out
 

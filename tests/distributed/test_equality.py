@@ -7,10 +7,12 @@ the gradient is a sum of two ranks' partial sums instead of one sum)."""
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 
-from .common import final_params, metrics, spawn_ranks, tiny_config, wait_all, worst_param_error
+from .common import ROOT, final_params, metrics, spawn_ranks, tiny_config, wait_all, worst_param_error
 
 PARAM_TOL = 1e-5
 LOSS_TOL = 1e-5
@@ -136,8 +138,8 @@ def _table_by_id(out) -> dict:
     return {int(i): ck.params["item_emb"][r] for r, i in zip(table.live_rows(), table.row_ids()[table.live_rows()])}
 
 
-def _launch(out, *sets, world=2):
-    results = wait_all(spawn_ranks(out, *sets, world=world), timeout=180)
+def _launch(out, *sets, world=2, env=None):
+    results = wait_all(spawn_ranks(out, *sets, world=world, rank_extra_env=env), timeout=180)
     for rank, (rc, _, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
 
@@ -239,6 +241,84 @@ def test_row_sharded_prefetched_id_exchange_is_the_synchronous_run(tmp_path):
     assert ahead[-1]["embedding"]["table"]["evictions"] > 0 and ahead[-1]["embedding"]["exchange"]["ids_inter"] > 0
     rows, ref = _table_by_id(tmp_path / "ahead"), _table_by_id(tmp_path / "sync")
     assert set(rows) == set(ref) and all((rows[i] == ref[i]).all() for i in ref)
+
+
+def _same_tree(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# sitecustomize for the ranks of a test: rank 0's loss is NaN at the listed (1-based) calls, i.e.
+# steps with train.accumulate = 1, so the guard skips them on every rank (the loss is all-reduced)
+_NAN_STEPS = """
+import os
+import gr_functional.train as t
+_real, _calls, _bad = t._loss, [0], {int(x) for x in os.environ["GRF_TEST_NAN_CALLS"].split(",")}
+def _loss(*args, **kwargs):
+    _calls[0] += 1
+    loss, aux = _real(*args, **kwargs)
+    return (loss * float("nan") if _calls[0] in _bad else loss), aux
+t._loss = _loss
+"""
+
+
+@pytest.mark.parametrize("k,extra", [(1, ["embedding.node_size=1", "embedding.hierarchical=true", "train.accumulate=2",
+                                         "embedding.policy=lfu", "embedding.min_count=2"]),
+                                     (2, ["loss.num_negatives=8", "train.max_bad_steps=0"])])
+def test_row_sharded_stale_lookup_ahead_is_the_synchronous_run(tmp_path, k, extra):
+    """embedding.staleness = k >= 1 with train.prefetch: while step i computes, a worker lands the
+    update due at step i and looks up step i+1's rows (evicting, inserting) on its own process
+    group. The run is bitwise the synchronous one (train.prefetch = 0): metrics.jsonl, and every
+    checkpoint's shards (values, optimizer state, queued updates by id, hash statistics, sketch,
+    counters), one after every step, so most were written while the next step's lookup had
+    already run. With k = 2, steps 3 and 4 are skipped (rank 0's loss made NaN by a sitecustomize
+    shim): step 3 drops the update of step 1 that the worker had already landed, so the pipeline
+    takes it back and reads step 4's rows again. Resumed from the step-2 checkpoint: the same
+    metrics.jsonl."""
+    import shutil
+
+    from gr_functional.checkpoint import CheckpointDir, read_checkpoint
+
+    sets = [*ROW_SHARDED, "embedding.sharding=row", "embedding.capacity=90", "loss.num_negatives=1",
+            "train.max_steps=5", f"embedding.staleness={k}", "train.checkpoint_every=1",
+            "train.keep_checkpoints=0", *extra]
+    env = None
+    if "train.max_bad_steps=0" in extra:  # steps 3 and 4 skipped: step 3 drops step 1's update
+        (tmp_path / "shim").mkdir()
+        (tmp_path / "shim" / "sitecustomize.py").write_text(_NAN_STEPS)
+        env = {0: {"GRF_TEST_NAN_CALLS": "3,4", "PYTHONPATH": f"{tmp_path / 'shim'}{os.pathsep}{ROOT}"}}
+    _launch(tmp_path / "sync", *sets, "train.prefetch=0", env=env)
+    _launch(tmp_path / "ahead", *sets, "train.prefetch=2", env=env)
+    sync, ahead = metrics(tmp_path / "sync"), metrics(tmp_path / "ahead")
+    assert [r["step"] for r in ahead if r["kind"] in ("train", "skip")] == [1, 2, 3, 4, 5]
+    if env:  # the rows read again after a skipped step are real traffic, counted
+        for a, b in zip(ahead, sync):
+            if "embedding" in a:
+                assert a["embedding"]["exchange"].pop("rows_inter") >= b["embedding"]["exchange"].pop("rows_inter")
+    assert ahead == sync
+    if env:
+        assert [r["step"] for r in ahead if r["kind"] == "skip"] == [3, 4]
+    saved = dict(CheckpointDir(tmp_path / "ahead" / "checkpoints").steps())
+    reference = dict(CheckpointDir(tmp_path / "sync" / "checkpoints").steps())
+    assert set(saved) == set(reference) == {1, 2, 3, 4, 5}
+    skips = "train.max_bad_steps=0" in extra
+    for step, path in saved.items():
+        a, b = read_checkpoint(path), read_checkpoint(reference[step])
+        if skips:  # the rows a skipped step makes the pipeline read again are real traffic, counted
+            for x, y in zip(a.host["embedding"]["shards"], b.host["embedding"]["shards"]):
+                assert (x.pop("bytes") >= y.pop("bytes")).all()
+        assert _same_tree(a.host, b.host) and _same_tree(a.params, b.params) and _same_tree(a.opt_state, b.opt_state), step
+    shutil.copytree(tmp_path / "ahead", tmp_path / "resumed")
+    for step, path in CheckpointDir(tmp_path / "resumed" / "checkpoints").steps():
+        if step > 2:
+            path.unlink()
+    if env:  # the resumed ranks count loss calls from step 3
+        env[0]["GRF_TEST_NAN_CALLS"] = "1,2"
+    _launch(tmp_path / "resumed", *sets, "train.prefetch=2", env=env)
+    assert _train_records(tmp_path / "resumed") == _train_records(tmp_path / "ahead")
 
 
 @pytest.fixture(scope="module")

@@ -353,6 +353,30 @@ def test_a_table_rebuilt_from_its_export_evicts_as_the_original(policy):
         assert sorted(a.row_ids()[a.live_rows()].tolist()) == sorted(b.row_ids()[b.live_rows()].tolist())
 
 
+@pytest.mark.parametrize("policy,min_count", [("lru", 1), ("lfu", 2)])
+def test_before_reads_the_table_as_it_was_before_the_last_assign(policy, min_count):
+    """``before(undo)`` (a lookup that ran ahead of its step, checkpointed before it): the export,
+    counters and row ids before each assign of a stream with evictions, rejections and
+    overflow; and the rolled-back copy continues exactly as the original did."""
+    rng = np.random.default_rng(5)
+    a = HashTable(12, policy=policy, min_count=min_count, seed=3)
+    batches = list(stream(rng, 12, 60, pool_size=40))
+    for step, ids in batches:
+        ex, counters, row_ids = a.export(), a.counters(), a.row_ids().copy()
+        want = a.assign(ids, step)
+        old = a.before(a.undo)
+        got = old.export()
+        assert all(np.array_equal(got[k], ex[k]) for k in ex), step
+        assert a.counters(a.undo) == counters == old.counters()
+        assert np.array_equal(old.row_ids(), row_ids)
+        again = old.assign(ids, step)
+        assert np.array_equal(again.rows, want.rows) and np.array_equal(again.fresh, want.fresh), step
+        after = old.export()
+        assert all(np.array_equal(after[k], v) for k, v in a.export().items()), step
+    assert a.counters()["evictions"] > 0
+    assert min_count == 1 or a.counters()["rejected"] > 0
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="policy"):
         HashTable(4, policy="fifo")
