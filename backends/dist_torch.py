@@ -77,6 +77,9 @@ during warm-up) after its last progress; each plus about two heartbeat periods a
 Test-only hook: ``GRF_FAULT_SLOW_STEP="STEP:SECONDS[,STEP:SECONDS...]"`` makes the main thread
 sleep SECONDS at the start of the forward pass of those steps (on rank ``GRF_FAULT_RANK`` only
 when that is set): a slow but healthy step (tests/distributed/test_failure_under_load.py).
+Benchmark-only: ``GRF_FAULT_EXCHANGE_DELAY_S=SECONDS`` makes every all-to-all (and its counts)
+take at least SECONDS from its start, as a network's latency would (a background exchange's
+delay runs in the background): what the pipelined step hides (``grf bench pipeline --nproc``).
 
 ``grf train --nproc N`` starts each rank through ``rank_main`` (``python -m backends.dist_torch
 train ...``), which records the rank's exit code in ``$GRF_RANK_EXIT_DIR``; ``job_exit_code``
@@ -105,6 +108,7 @@ FLOOR_S = 5.0            # heartbeat / store silences shorter than this are sche
 WARMUP_PHASES = ("checkpoint", "eval", "files")   # runner phases after which the next step warms up again
 EXIT_DIR_ENV = "GRF_RANK_EXIT_DIR"                 # set by `grf train --nproc`: where ranks record exit codes
 SLOW_STEP_ENV = "GRF_FAULT_SLOW_STEP"              # test-only: "STEP:SECONDS,..." (module docstring)
+EXCHANGE_DELAY_ENV = "GRF_FAULT_EXCHANGE_DELAY_S"  # benchmark-only: all-to-all latency (module docstring)
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ class TorchCollective:
         self.interval = self.limits.interval
         self.bucket_bytes = max(1, int(float(dist_cfg.bucket_mb) * 2**20))
         self._slow_steps = _slow_steps(self.rank)
+        self.exchange_delay = float(os.environ.get(EXCHANGE_DELAY_ENV, "0") or 0)
         self._ready_order: list[str] | None = None  # leaf paths in the order backward produced them
         self._side = None  # all_to_all_start's process group
         self.last_backward_end = 0.0
@@ -278,7 +283,9 @@ class TorchCollective:
         torch = self._torch
         send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.device)
         recv = torch.empty_like(send)
+        started = time.perf_counter()
         self._run("all-to-all of counts", lambda: self._dist.all_to_all_single(recv, send))
+        self._latency(started)
         return recv.cpu().numpy()
 
     def all_to_all(self, x, send_counts, recv_counts):
@@ -328,8 +335,10 @@ class TorchCollective:
         wire = t.view(torch.uint8) if wide else t  # gloo has no 16-bit types: send the bytes
         out = wire.new_empty((int(np.sum(recv_counts)),) + tuple(wire.shape[1:]))
         recv, send = [int(c) for c in recv_counts], [int(c) for c in send_counts]
+        started = time.perf_counter()
         if group is None:
             self._run("all-to-all", lambda: self._dist.all_to_all_single(out, wire, recv, send))
+            self._latency(started)
             work = None
         else:
             work = self._dist.all_to_all_single(out, wire, recv, send, group=group, async_op=True)
@@ -337,9 +346,17 @@ class TorchCollective:
         def finish():
             if work is not None:
                 (run or self._run)("all-to-all (overlapped)", work.wait)
+                self._latency(started)
             got = out.view(t.dtype) if wide else out
             return got.cpu().numpy() if host else got
         return finish
+
+    def _latency(self, started: float) -> None:
+        """``GRF_FAULT_EXCHANGE_DELAY_S``: wait until the exchange started at ``started`` has
+        taken the injected latency."""
+        left = self.exchange_delay - (time.perf_counter() - started)
+        if left > 0:
+            time.sleep(left)
 
     # ------------------------------------------------------------------ step timing
     def start_step(self) -> None:
@@ -471,8 +488,10 @@ class Lane:
         torch, dist = self.comm._torch, self.comm._dist
         send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.comm.device)
         recv = torch.empty_like(send)
+        started = time.perf_counter()
         self.comm._quiet("all-to-all of counts (prefetch)",
                          lambda: dist.all_to_all_single(recv, send, group=self.group))
+        self.comm._latency(started)
         return recv.cpu().numpy()
 
     def all_to_all(self, x, send_counts, recv_counts):

@@ -124,6 +124,19 @@ def test_pipeline_bench_json(capsys):
     assert rows[0]["wait_s"] == rows[0]["build_s"] and rows[0]["hidden"] == 0.0  # synchronous: nothing hidden
 
 
+def test_pipeline_sharded_bench_json(capsys):
+    """2 gloo ranks with a row-sharded table, every exchange delayed 10 ms, without and with the
+    pipelined step: both run and report (timings are not asserted: a shared machine)."""
+    from benchmarks import pipeline_sharded
+
+    rows = pipeline_sharded.run(json_lines=True, config="quickstart", sets=["train.max_steps=6"],
+                                variants=[(0.01, 0), (0.01, 2)], warmup=2)
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [(r["delay_ms"], r["prefetch"]) for r in rows] == [(10.0, 0), (10.0, 2)]
+    for r in rows:
+        assert r["steps"] == 3 and r["step_s"] > 0 and r["compute_s"] > 0 and r["tokens_per_s"] > 0
+
+
 def test_negatives_bench_json(capsys):
     """Every variant runs; GR's recipe is the reference (vs_sampled 1); 16-bit negatives read
     half the bytes plus one scale per sequence (private) or per pool."""
