@@ -150,6 +150,11 @@ class Backend:
         view.__dict__.update(attrs)
         return view
 
+    @classmethod
+    def prepare_process(cls, *, attention_recompute: bool = False) -> None:
+        """Process-wide settings a config asks of this backend, applied before the backend starts
+        (``runner.make_backend`` calls it first). Default: none."""
+
     def with_attention_recompute(self, on: bool) -> "Backend":
         """A shallow copy whose ``hstu_attention`` runs under ``checkpoint``: nothing of the
         attention's inside (score tiles or matrices, probabilities, per-pair copies of q/k/v) is

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends import get_backend
+from backends import backend_class, get_backend
 
 from . import model
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, check_finite,
@@ -143,6 +143,7 @@ def make_backend(cfg: Config, device: str | None = None):
         options["row_kernel"] = cfg.backend.row_kernel
     if cfg.backend.compile:
         options["compile"] = True
+    backend_class(cfg.backend.name).prepare_process(attention_recompute=cfg.backend.attention_recompute)
     B = get_backend(cfg.backend.name, **options)
     if cfg.backend.attention_recompute:
         B = B.with_attention_recompute(True)

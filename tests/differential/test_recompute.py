@@ -55,3 +55,32 @@ def test_recompute_keeps_less_for_backward_on_torch():
         kept[on], kind = B.memory_profile(partial(train_step, B, cfg=cfg), *args)
         assert kind == "autograd_saved"
     assert kept["true"] < kept["false"]
+
+
+_FLAGS_PROBE = """
+import os
+from gr_functional.config import load_config
+from gr_functional.runner import make_backend
+cfg = load_config(None, ["backend.name=jax", "backend.attention_recompute=true"])
+B = make_backend(cfg)
+print(os.environ.get("XLA_FLAGS", ""))
+"""
+
+
+@pytest.mark.parametrize("preset,want", [
+    ("", "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
+    ("--xla_cpu_enable_concurrency_optimized_scheduler=true", "--xla_cpu_enable_concurrency_optimized_scheduler=true")])
+def test_recompute_on_jax_sets_the_low_memory_xla_flag_unless_the_user_did(preset, want):
+    """XLA CPU's concurrency-optimized scheduler keeps what the recomputed attention drops, so a
+    config with backend.attention_recompute on JAX turns it off before JAX starts (a fresh
+    process: the flag is read once); a user's own setting of that flag is kept."""
+    import subprocess
+    import sys
+
+    from ..reliability.common import ROOT, subprocess_env
+
+    env = subprocess_env(XLA_FLAGS=preset)
+    got = subprocess.run([sys.executable, "-c", _FLAGS_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip().splitlines()[-1] == want
