@@ -422,7 +422,18 @@ class TorchCollective:
 
     # ------------------------------------------------------------------ watchdog-facing
     def progress(self, phase: str) -> None:
-        self._watchdog.progress(phase)
+        # phases describe the main thread (the training loop); a worker's collectives (the
+        # prefetch and sparse workers' lanes, a background exchange it waits for) leave them alone
+        if threading.current_thread() is threading.main_thread():
+            self._watchdog.progress(phase)
+
+    @property
+    def concurrent_groups(self) -> bool:
+        """Whether collectives of several process groups may run from several threads in an
+        order that differs between ranks (the pipelined step's workers). gloo: yes, verified
+        here. NCCL / HCCL document that concurrent communicators can deadlock unless every rank
+        issues them in the same order, and the workers have not run on a GPU or NPU: no."""
+        return self.backend == "gloo"
 
     def post(self, tag: str) -> None:
         """Say ``tag`` is done (an epoch's evaluation, the files); the next step warms up again."""

@@ -82,9 +82,12 @@ class JaxBackend(Backend):
         flags = os.environ.get("XLA_FLAGS", "")
         if not attention_recompute or "xla_cpu_enable_concurrency_optimized_scheduler" in flags:
             return
-        from jax._src import xla_bridge
+        try:  # a private probe: without it, set the flag anyway (harmless once JAX has started)
+            from jax._src import xla_bridge
 
-        started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+            started = xla_bridge.backends_are_initialized()
+        except (ImportError, AttributeError):  # no jax: get_backend says so clearly
+            started = False
         if started:
             warnings.warn(f"backend.attention_recompute on JAX: XLA's CPU scheduler keeps most of the recomputed "
                           f"attention's memory unless XLA_FLAGS={cls.LOW_MEMORY_FLAG} is set before JAX starts; "

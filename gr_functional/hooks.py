@@ -211,7 +211,8 @@ class RankSteps:
     (``ahead``) lands it and looks up step i+1's rows (on another lane) while step i computes,
     and step i only queues its gradients (``ShardedTable.land`` / ``queue``); the run is bitwise
     the one without workers (checkpoints hold the table as of the last trained step:
-    ``ShardedTable.export``)."""
+    ``ShardedTable.export``) except the exchanged-bytes counters after a skipped step (the rows
+    read again are counted). Workers run only where ``comm.concurrent_groups`` (gloo)."""
 
     def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
         from .train import make_dist_train_step, make_sharded_dist_step
@@ -220,8 +221,10 @@ class RankSteps:
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse and shard is None else None
         self.shard, self.log_every = shard, cfg.train.log_every
-        self.lane = comm.lane() if shard is not None and self.prefetch else None
-        self.ahead = shard is not None and bool(self.prefetch) and cfg.embedding.staleness >= 1
+        # the workers' exchanges run beside the main thread's, on their own process groups
+        workers = shard is not None and bool(self.prefetch) and getattr(comm, "concurrent_groups", True)
+        self.lane = comm.lane() if workers else None
+        self.ahead = workers and cfg.embedding.staleness >= 1
         if self.ahead:
             from .data.prefetch import Worker
 

@@ -7,13 +7,14 @@ numpy work of a batch: the user plan and sequence gathering, negatives (``R`` dr
 dropout masks, the rank split and its balancing. numpy's bulk draws and copies and torch's kernels
 release the GIL, so on two or more cores the build overlaps the step's compute.
 
-What stays on the main thread, by design: the id-to-row mapping of row-sparse tables
-(``EmbeddingHost.prepare``, and a row-sharded table's owner-side mapping in ``ShardedTable.lookup``).
-It is stateful (inserts, evictions), and a checkpoint must hold the table state of the last
-*trained* step; mapping ahead would checkpoint a future state. What a row-sharded table's step
-does move here (``hooks.RankSteps``): its id dedup, the rewrite to local indices and the id
-exchange with the owners (``ShardedTable.route``: an id's owner is a function of the id), on a
-process group of the worker's own.
+What stays on the main thread, by design: the id-to-row mapping of a replicated row-sparse
+table (``EmbeddingHost.prepare``). It is stateful (inserts, evictions), and a checkpoint must hold
+the table state of the last *trained* step. What a row-sharded table's step does move here
+(``hooks.RankSteps``): its id dedup, the rewrite to local indices and the id exchange with the
+owners (``ShardedTable.route``: an id's owner is a function of the id), on a process group of the
+worker's own; and with ``embedding.staleness >= 1`` a second worker (``Worker``) maps and looks
+up the next step's ids while a step computes, checkpoints reading the hash table as it was
+before that mapping (``HashTable.before``, from an undo record).
 
 ``Prefetch.stats`` measures how much of the build was hidden: ``build_s`` (time the worker spent
 producing items), ``wait_s`` (time the consumer spent blocked on the queue); ``hidden`` =

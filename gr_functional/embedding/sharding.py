@@ -7,8 +7,8 @@ rank q that needs the distinct ids ``u_q``:
   1. sends each id to its owner (``route``: ``all_to_all`` of int64 ids, grouped by destination;
      stateless, so with ``train.prefetch`` it runs ahead of the step on the prefetch worker); the
      owner deduplicates what all ranks asked for, maps the ids to its rows (inserting / evicting
-     in its shard's ``HashTable``: stateful, in the step) and gathers them (fresh rows at their
-     initial value);
+     in its shard's ``HashTable``: stateful; in the step, or with staleness >= 1 during the step
+     before, see ``land``) and gathers them (fresh rows at their initial value);
   2. sends each requester the rows it asked for (the reverse all-to-all of ``[n, D]`` rows);
   3. after the backward, sends the rows' gradients to the owners, which SUM them per id (the
      same sum an all-reduce of a replicated table's gradient gives) and apply the row-sparse
@@ -480,7 +480,8 @@ class ShardedTable:
 
     # ------------------------------------------------------------------ reading
     def rows_of(self, ids) -> np.ndarray:
-        """This shard's values (numpy) of ids it owns and holds (zeros for others)."""
+        """This shard's values (numpy) of ids it owns and holds (zeros for others), in the live
+        table (including a lookup that ran ahead of its step: tests read it between steps)."""
         ids = np.asarray(ids, dtype=np.int64)
         rows = self._dense_rows_of(ids) if self.table is None else self.table.lookup(ids)
         rows = np.where(owners(ids, self.world, self.kind) == self.rank, rows, 0)
