@@ -603,7 +603,7 @@ class Backend:
             return xp.take(self.gather_rows(self._ext(x), plan.chunk_rows), pair, axis=0)
 
         qp, kp, vp = per_pair(q, plan.pair_q), per_pair(k, plan.pair_k), per_pair(v, plan.pair_k)
-        scores = xp.matmul(qp, xp.matrix_transpose(kp))                             # [H, P, C, C]
+        scores = self.batched_matmul(qp, kp, transpose_b=True)                      # [H, P, C, C]
 
         def positions():  # [P, C, 1], [P, 1, C]: the same in every layer
             return (xp.reshape(cells(layout.pos, plan.pair_q), (P, C, 1)),
@@ -634,12 +634,19 @@ class Backend:
             return xp.logical_and(k_pos <= q_pos, key_real)
 
         mask = xp.astype(self._memo(bias, "tiled_allowed", allowed), scores.dtype) / norm_len
-        partial = xp.matmul(self.silu(scores) * mask, vp)                          # [H, P, C, dv]
+        partial = self.batched_matmul(self.silu(scores) * mask, vp)                # [H, P, C, dv]
         # the tiles of one query chunk are summed in fp32 (in bf16/fp16 a scatter-add would round
         # at every tile; the padded reference sums inside one matmul)
         partial = self.cast(xp.permute_dims(partial, (1, 2, 0, 3)), "float32")     # [P, C, H, dv]
         chunks = self.cast(self.segment_sum(partial, plan.pair_q, nc_cap + 1), self._dtype_name_of(v))
         return self.gather_rows(xp.reshape(chunks, ((nc_cap + 1) * C, H, dv)), plan.token_cell)
+
+    def batched_matmul(self, a, b, transpose_b: bool = False):
+        """``a[..., M, K] @ b[..., K, N]``, or ``a @ b^T`` for ``b[..., N, K]`` with ``transpose_b``
+        (the attention tiles' products; a Backend method because XLA's CPU dots with a transposed
+        operand are 2-3x slower than with a copied one, see ``JaxBackend.batched_matmul``)."""
+        xp = self.xp
+        return xp.matmul(a, xp.matrix_transpose(b) if transpose_b else b)
 
     def add_head_bias(self, scores, bias):
         """``scores[H, ...] + bias[...]``: one bias shared by all heads. Its gradient in ``bias`` is
