@@ -79,7 +79,7 @@ sleep SECONDS at the start of the forward pass of those steps (on rank ``GRF_FAU
 when that is set): a slow but healthy step (tests/distributed/test_failure_under_load.py).
 Benchmark-only: ``GRF_FAULT_EXCHANGE_DELAY_S=SECONDS`` makes every all-to-all (and its counts)
 take at least SECONDS from its start, as a network's latency would (a background exchange's
-delay runs in the background): what the pipelined step hides (``grf bench pipeline --nproc``).
+delay runs in the background): what the pipelined step hides (``grf bench pipeline_sharded``).
 
 ``grf train --nproc N`` starts each rank through ``rank_main`` (``python -m backends.dist_torch
 train ...``), which records the rank's exit code in ``$GRF_RANK_EXIT_DIR``; ``job_exit_code``
@@ -280,11 +280,14 @@ class TorchCollective:
     def exchange_counts(self, send_counts) -> np.ndarray:
         """``recv[r]`` = what rank r sends this rank, given ``send_counts[r]`` = what this rank
         sends rank r (int64 [R]): the sizes of an ``all_to_all``."""
+        return self._exchange_counts(send_counts, None, self._run)
+
+    def _exchange_counts(self, send_counts, group, run) -> np.ndarray:
         torch = self._torch
         send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.device)
         recv = torch.empty_like(send)
         started = time.perf_counter()
-        self._run("all-to-all of counts", lambda: self._dist.all_to_all_single(recv, send))
+        run("all-to-all of counts", lambda: self._dist.all_to_all_single(recv, send, group=group))
         self._latency(started)
         return recv.cpu().numpy()
 
@@ -496,14 +499,7 @@ class Lane:
         self.rank, self.world_size = comm.rank, comm.world_size
 
     def exchange_counts(self, send_counts) -> np.ndarray:
-        torch, dist = self.comm._torch, self.comm._dist
-        send = torch.as_tensor(np.asarray(send_counts, dtype=np.int64), device=self.comm.device)
-        recv = torch.empty_like(send)
-        started = time.perf_counter()
-        self.comm._quiet("all-to-all of counts (prefetch)",
-                         lambda: dist.all_to_all_single(recv, send, group=self.group))
-        self.comm._latency(started)
-        return recv.cpu().numpy()
+        return self.comm._exchange_counts(send_counts, self.group, self.comm._quiet)
 
     def all_to_all(self, x, send_counts, recv_counts):
         return self.comm._all_to_all(x, send_counts, recv_counts, self.group, run=self.comm._quiet)()

@@ -177,8 +177,6 @@ class Worker:
     def _work(self) -> None:
         while True:
             fn, future = self._queue.get()
-            if fn is None:
-                return
             try:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
@@ -188,6 +186,3 @@ class Worker:
         future: Future = Future()
         self._queue.put((fn, future))
         return future
-
-    def close(self) -> None:
-        self._queue.put((None, None))

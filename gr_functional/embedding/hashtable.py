@@ -320,7 +320,6 @@ class HashTable:
         self.sketch = CountMinSketch(width, seed=self.seed) if self.min_count > 1 else None
         self.totals = dict.fromkeys(_COUNTERS, 0)
         self.undo: Undo | None = None  # the last ``assign``'s changes (``before``)
-        self._victims = _NO_VICTIMS
 
     # ------------------------------------------------------------------ the step's call
     def assign(self, ids, step: int) -> Assignment:
@@ -339,20 +338,23 @@ class HashTable:
         rows[real[hit]] = hit_rows
         hit_last_used, hit_count = self.last_used[hit_rows], self.count[hit_rows]
         self._touch(hit_rows, step)
-        self._victims = _NO_VICTIMS
+        evicted = _NO_VICTIMS
         self.totals["lookups"] += len(real)
         self.totals["hits"] += len(hit_rows)
 
         admitted = self._admit(real[~hit], ids)
         if admitted.size:
             new_rows = self._rows_for(len(admitted), protected=hit_rows)
+            # rows below the old next_free were evicted; their ids and statistics stay until _insert
+            victims = new_rows[new_rows < next_free]
+            evicted = (victims, self.row_id[victims], self.last_used[victims], self.count[victims])
             placed = admitted[:len(new_rows)]
             self.totals["overflow"] += len(admitted) - len(placed)
             self._insert(ids[placed], new_rows, step)
             rows[placed] = new_rows
             fresh[placed] = True
         sketched = ids[real[~hit]] if self.sketch is not None else np.zeros(0, np.int64)
-        self.undo = Undo(totals, next_free, hit_rows, hit_last_used, hit_count, *self._victims, sketched)
+        self.undo = Undo(totals, next_free, hit_rows, hit_last_used, hit_count, *evicted, sketched)
         return Assignment(rows, fresh)
 
     def _touch(self, rows: np.ndarray, step: int) -> None:
@@ -404,7 +406,6 @@ class HashTable:
         else:
             order = (self.count[cand], self.last_used[cand], self.row_id[cand])
         victims = cand[_smallest(order, n)]
-        self._victims = (victims, self.row_id[victims], self.last_used[victims], self.count[victims])
         self.map.delete(self.row_id[victims])
         self.live[victims] = False
         self.totals["evictions"] += n

@@ -172,7 +172,7 @@ class ShardedTable:
 
     def _ahead(self) -> bool:
         """A lookup ran ahead of the step trained last (``land``): the hash table holds its ids."""
-        return self.table is not None and self._served > self._trained and self.table.undo is not None
+        return self.table is not None and self._served > self._trained
 
     def _trained_table(self):
         """The hash table as of the last trained step (before a lookup that ran ahead; None for a
@@ -372,29 +372,27 @@ class ShardedTable:
         self.state = rowopt.scatter_state(B, self.state, due, new_state)
         self.pending, self._landed = queue[1:], (due, values, old_state)
 
-    def queue(self, pending: Pending, grads, ok=True) -> bool:
+    def queue(self, pending: Pending, grads, ok=True) -> None:
         """Staleness k >= 1, the second half of step i's update: this rank's row gradients to the
         owners, the last hop in the background until the next ``land`` (or ``export``) waits for
         it (step i's gradients travel while step i+1 looks up and computes), queued as update i
         (zeros, and no rows, for a skipped step). A skipped step (``ok`` False) also takes back
         the due update ``land`` applied, as the synchronous rule has it (a skipped step drops its
-        own gradient and the update due at it); returns whether it did (a lookup made since read
-        the rows with it: ``serve`` it again). Collective."""
+        own gradient and the update due at it): a lookup made since read the rows with it, so
+        ``serve`` it again. Collective."""
         B, xp = self.B, self.B.xp
         g = grads
         for i, hop in enumerate(pending.hops):
             g = self._forward_grads(hop, g, later=i == len(pending.hops) - 1)
         ok = B.asarray(ok) if isinstance(ok, bool) else ok
         rows = B.asarray(pending.rows)
-        undone = not bool(ok)
-        if undone:  # restore the due rows (never fresh rows: refresh dropped those from the queue)
+        if not bool(ok):  # restore the due rows (never fresh rows: refresh dropped those from the queue)
             due, values, old_state = self._landed
             self.values = B.set_rows(self.values, due, values)
             self.state = rowopt.scatter_state(B, self.state, due, old_state)
         mine = xp.where(xp.logical_and(rows > 0, ok), rows, xp.zeros_like(rows))
         self.pending, self._in_flight = [*self.pending, {"rows": mine, "grads": None}], (g, ok)
         self._landed, self._trained = None, pending.step
-        return undone
 
     # ------------------------------------------------------------------ checkpoints
     def export(self) -> dict:

@@ -16,7 +16,6 @@ process, gradient accumulation, token budgets, bf16 / fp16, bounded staleness.
 from __future__ import annotations
 
 import itertools
-
 import json
 import math
 import time
