@@ -469,6 +469,10 @@ class Backend:
     def _time_bias(self, bias: AttentionBias, geometry: str, gap: Callable):
         """``ts_w[bucket(gap)]`` of ``bias``, ``gap()`` the int32 gaps ``|query_ts - ts| >= 0`` in the
         kernel's ``geometry`` (any shape); the buckets are computed once per forward pass."""
+        return self.gather_table(bias.ts_w, self._time_buckets(bias, geometry, gap))
+
+    def _time_buckets(self, bias: AttentionBias, geometry: str, gap: Callable):
+        """int32 ``bucket(gap())`` (``relative_bias``'s rule) for ``bias.ts_w``'s K buckets, memoised."""
         xp = self.xp
         num_buckets = bias.ts_w.shape[0] - 1
 
@@ -476,7 +480,26 @@ class Backend:
             bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap(), side="right") - 1
             return xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
 
-        return self.gather_table(bias.ts_w, self._memo(bias, ("time_bucket", geometry, num_buckets), buckets))
+        return self._memo(bias, ("time_bucket", geometry, num_buckets), buckets)
+
+    def tile_time_buckets(self, layout: Jagged, bias: AttentionBias):
+        """``[P, C, C]`` int32 time bucket of every cell of ``layout.tiles``' pairs (query cell i of
+        pair p's query chunk, key cell j of its key chunk; empty cells hold whatever their rows'
+        times give), memoised per forward pass: what ``hstu_attention_tiled`` and fused tile
+        kernels index ``bias.ts_w`` with."""
+        xp, plan = self.xp, layout.tiles
+        C, P = plan.tile, plan.pair_q.shape[0]
+
+        def gap():
+            q_t = xp.reshape(self._tile_cells(plan, bias.query_ts, plan.pair_q), (P, C, 1))
+            k_t = xp.reshape(self._tile_cells(plan, bias.ts, plan.pair_k), (P, 1, C))
+            return xp.abs(q_t - k_t)
+
+        return self._time_buckets(bias, "tiled", gap)
+
+    def _tile_cells(self, plan, x, pair):
+        """Per-token ``x[T]`` -> per-pair cells ``[P, C]`` of the chunks ``pair[P]`` names."""
+        return self.xp.take(self.gather_rows(self._ext(x), plan.chunk_rows), pair, axis=0)
 
     def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
         """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
@@ -600,7 +623,7 @@ class Backend:
             return xp.take(chunks, pair, axis=1)
 
         def cells(x, pair):  # per-token [T] -> per-pair cells [P, C]
-            return xp.take(self.gather_rows(self._ext(x), plan.chunk_rows), pair, axis=0)
+            return self._tile_cells(plan, x, pair)
 
         qp, kp, vp = per_pair(q, plan.pair_q), per_pair(k, plan.pair_k), per_pair(v, plan.pair_k)
         scores = self.batched_matmul(qp, kp, transpose_b=True)                      # [H, P, C, C]
@@ -616,12 +639,7 @@ class Backend:
                              - self._memo(bias, "tiled_pos", positions)[0])
             rab = self.gather_table(bias.pos_w, rel)                                 # [P, C, C]
         if bias.ts_w is not None:
-            def gap():
-                q_t = xp.reshape(cells(bias.query_ts, plan.pair_q), (P, C, 1))
-                k_t = xp.reshape(cells(bias.ts, plan.pair_k), (P, 1, C))
-                return xp.abs(q_t - k_t)
-
-            t_bias = self._time_bias(bias, "tiled", gap)
+            t_bias = self.gather_table(bias.ts_w, self.tile_time_buckets(layout, bias))
             rab = t_bias if rab is None else rab + t_bias
         if rab is not None:
             scores = self.add_head_bias(scores, rab)

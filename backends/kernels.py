@@ -28,7 +28,7 @@ A new kernel is one ``register_kernel`` call, from any module (an experiment scr
         ...
 
 ``backend.hstu_kernel = "my_kernel"`` selects it; ``"default"`` means the backend's own choice
-(``Backend.default_hstu_kernel``: "jagged" on torch/jax, "auto" on npu). Kernels that must set
+(``Backend.default_hstu_kernel``: "best" on torch, "jagged" on jax, "auto" on npu). Kernels that must set
 something up once per backend (load a vendor op, compile) register a ``factory(B) -> fn``
 instead, which raises ``npu_ops.UnsupportedOnBackend`` / ``BackendUnavailable`` with the reason
 when the kernel cannot run here. tests/differential runs every registered kernel on every
@@ -293,6 +293,47 @@ def tiled(B, q, k, v, layout, norm_len, bias):
 def reference(B, q, k, v, layout, norm_len, bias):
     """The padded dense ``[B, H, L, L]`` attention: the oracle."""
     return B.hstu_attention_padded(q, k, v, layout, norm_len, bias)
+
+
+def _cpu_fused_factory(B):
+    """The fused C++ tile attention (backends/cpu_fused), built on first use."""
+    from . import cpu_fused
+
+    return cpu_fused.factory(B)
+
+
+# float32 and float64 (the tests' oracle precision); 16-bit precisions run the tiles in 16 bits,
+# which the kernel does not: refused
+register_kernel("cpu_fused", factory=_cpu_fused_factory, backends=("torch",), precisions=("fp32",),
+                devices=("cpu",), tile_plan="required",
+                doc="fused C++ tiles on CPU: BLAS products, bias/SiLU/mask in cache, backward recomputes")
+
+
+def _best_factory(B):
+    """cpu_fused where it runs (CPU, fp32/fp64 compute, a tile plan, the extension built, and
+    ``backend.cpu_fused`` on), else jagged; a build that fails is reported as a warning with the reason."""
+    import warnings
+
+    from npu_ops import UnsupportedOnBackend
+
+    fused = None
+    if B.device_kind == "cpu" and getattr(B, "cpu_fused", True):
+        try:
+            fused = _cpu_fused_factory(B)
+        except (UnsupportedOnBackend, ImportError) as exc:
+            warnings.warn(f"backend.hstu_kernel='best' runs 'jagged': {exc} (backend.cpu_fused = false "
+                          f"silences this)", stacklevel=2)
+
+    def best(B, q, k, v, layout, norm_len, bias):
+        if fused is not None and layout.tiles is not None and B._dtype_name_of(q) in ("float32", "float64"):
+            return fused(B, q, k, v, layout, norm_len, bias)
+        return jagged(B, q, k, v, layout, norm_len, bias)
+
+    return best
+
+
+register_kernel("best", factory=_best_factory, backends=("torch",), tile_plan="used",
+                doc="the fastest measured: cpu_fused on CPU (fp32/fp64, where it builds), else jagged")
 
 
 def _triton_factory(B):

@@ -18,16 +18,20 @@ from .base import Backend, BackendUnavailable
 
 class TorchBackend(Backend):
     name = "torch"
+    default_hstu_kernel = "best"  # cpu_fused on CPU where it builds, else jagged (backends/kernels.py)
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
-                 row_kernel: str = "default", compile: bool = False):
+                 row_kernel: str = "default", compile: bool = False, cpu_fused: bool = True):
         """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on torch:
-        "default" (= "jagged": block-sparse tiles of ``layout.tiles``, no padding, where they pay
-        off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
+        "default" (= "best": "cpu_fused", the fused C++ tiles, on CPU in fp32/fp64 where the
+        extension builds, else "jagged"), "jagged" (block-sparse tiles of ``layout.tiles``, no
+        padding, where they pay off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
         portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
         TRITON_INTERPRET=1), or a registered kernel of your own. row_kernel: "default" (=
         "reference") or "fbgemm" (fbgemm's TBE row-wise Adagrad: fbgemm-gpu-cpu on CPU, fbgemm_gpu
-        on CUDA; backends/row_kernels.py). compile: ``compiled(f)`` is ``torch.compile(f)``."""
+        on CUDA; backends/row_kernels.py). compile: ``compiled(f)`` is ``torch.compile(f)``.
+        cpu_fused: on CPU, the fused C++ ops of backends/cpu_fused (the "best" attention's choice
+        and ``sampled_logits`` in fp32/fp64); False runs the torch formulations only."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -42,6 +46,7 @@ class TorchBackend(Backend):
                                      f"torch on a machine with a GPU")
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
+        self.cpu_fused = bool(cpu_fused) and self.torch_device.type == "cpu"
         self.use_hstu_kernel(hstu_kernel)
         self.use_row_kernel(row_kernel)
         self.compile = bool(compile)
@@ -182,11 +187,28 @@ class TorchBackend(Backend):
         out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
         return out.index_add(0, ids, data)[:num_segments]
 
+    def _fused_ops_take(self, *arrays) -> bool:
+        """Whether the fused C++ CPU ops (backends/cpu_fused) run a call on ``arrays``: the option is
+        on, they are fp32 or fp64 CPU tensors of one dtype, and the extension is built (else the
+        torch formulation runs, after one warning with the reason)."""
+        if not self.cpu_fused or arrays[0].dtype not in (self._torch.float32, self._torch.float64):
+            return False
+        if any(a.dtype != arrays[0].dtype or a.device.type != "cpu" for a in arrays):
+            return False
+        from . import cpu_fused
+
+        return cpu_fused.available()
+
     def sampled_logits(self, user, items, ids):
-        """The reference's two formulations (dense ``user @ items^T`` when ``N <=
+        """On CPU in fp32/fp64: the fused C++ op (``cpu_fused.sampled_logits``: one dot per
+        (position, id) from the item rows). Otherwise the reference's two formulations (dense ``user @ items^T`` when ``N <=
         DENSE_LOGITS_MAX_RATIO * R``, else a row gather), row-chunk by row-chunk
         (``_chunked_sampled_logits``): neither the ``[T, N]`` scores nor the ``[T, R, D]`` gathered
         rows, nor their gradients, are ever materialised whole."""
+        if self._fused_ops_take(user, items):
+            from . import cpu_fused
+
+            return cpu_fused.sampled_logits(user, items, ids)
         ids = ids.long()  # torch's gathers want int64 indices; the math is unchanged
         dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
         return _chunked_sampled_logits(self._torch)(user, items, ids, dense)

@@ -15,6 +15,9 @@ In fp32 (``backend.precision`` is not applied here). Variants (each backend):
           inputs only and backward recomputes its tiles (torch's autograd-saved bytes then leave
           out the one layer's tiles that exist while its backward runs; XLA's temp buffers include
           them);
+  fused   (torch on CPU only) jagged rows and the fused C++ tiles (``backend.hstu_kernel =
+          "cpu_fused"``, backends/cpu_fused: products on BLAS, the elementwise work in cache, the
+          tiles recomputed in backward: autograd keeps q, k, v only);
   triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops.
 
 Fields: seconds (median of 3 after a warm-up/compile), memory_bytes with memory_kind
@@ -78,7 +81,7 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
     seconds = median_seconds(B, fn, *args, repeats=repeats)
     memory, kind = B.memory_profile(fn, *args)
     plan = batch.tokens.tiles
-    if padded or B.hstu_kernel != "tiled" or plan is None:
+    if padded or B.hstu_kernel not in ("tiled", "cpu_fused") or plan is None:
         cells = batch.tokens.b_cap * mc.max_len ** 2
     else:
         cells = plan.num_pairs() * plan.tile ** 2
@@ -89,6 +92,8 @@ def variants(label, B):
     yield "padded", kernel_variant(B, "reference")
     yield "jagged", kernel_variant(B, "tiled")
     yield "jagged+recompute", kernel_variant(B, "tiled").with_attention_recompute(True)
+    if label == "torch" and B.device_kind == "cpu":
+        yield "fused", kernel_variant(B, "cpu_fused")
     if label == "torch" and str(getattr(B, "torch_device", "cpu")).startswith("cuda"):
         from backends import get_backend
 

@@ -9,7 +9,9 @@ matmul reads both operands and writes its output; a gather or index op moves its
 twice, plus the index; fill writes, copy reads and writes; any other leaf op reads its inputs and
 writes one output as large as the largest; views, and ops whose children do work (wrappers),
 move nothing themselves; ops taking tensor lists (cat, stack, advanced indexing), whose shapes the
-profiler does not record, are not estimated and count at their measured time), the intensity
+profiler does not record, and the fused C++ ops of backends/cpu_fused (``backend.cpu_fused``, on
+by default: their tiles never exist as tensors) are not estimated and count at their measured
+time), the intensity
 (FLOP/byte), and ``roofline_s = max(flops / peak, bytes / bandwidth)``: the least time the op could
 take on this machine. ``efficiency = roofline_s / self_s``. The step's ``roofline_s`` is the sum:
 the fastest step these ops allow without fusing them, and ``mfu_at_roofline`` the MFU of that step
@@ -36,6 +38,8 @@ INDEX_OPS = {"aten::index_select": 2, "aten::gather": 2, "aten::index_add_": 2,
 # ops whose inputs are tensor lists, which the profiler records as []: bytes not estimated, the
 # op counts at its measured time
 UNESTIMATED = {"aten::cat", "aten::stack", "aten::index", "aten::index_put_", "aten::_index_put_impl_"}
+# the fused C++ ops (backends/cpu_fused): their work is in their own self time, not in children
+FUSED = {"FusedTiles", "FusedTilesBackward", "FusedSampledLogits", "FusedSampledLogitsBackward"}
 COLUMNS = ["config", "op", "self_s", "share", "gflop", "gbytes", "intensity", "roofline_s", "efficiency"]
 
 
@@ -66,7 +70,7 @@ def matmul_flops(name: str, shapes: list) -> int:
 def op_bytes(name: str, shapes: list, args: list, has_children: bool) -> int | None:
     """Estimated bytes an op moves, from its input shapes and scalar ``args`` (module docstring);
     None where the shapes do not tell (``UNESTIMATED``)."""
-    if name in UNESTIMATED and not has_children:
+    if (name in UNESTIMATED and not has_children) or name in FUSED:
         return None
     shapes = [s if isinstance(s, (list, tuple)) else [] for s in shapes]
     if name in MATMULS:

@@ -1,9 +1,11 @@
 """``grf bench throughput [--json] [--backend torch,jax] [--set backend.device=cuda]``: training
 tokens per second of each backend on each config of ``step.STEP_CONFIGS``.
 
-The step is the training step of ``step.prepare_step`` (forward, backward, AdamW) with the
-tiled no-padding attention (``hstu_kernel = "tiled"``) and the padded reference attention on the
-same jagged batch: the default "jagged" runs whichever of the two ``Backend.tiles_pay_off`` picks.
+The step is the training step of ``step.prepare_step`` (forward, backward, AdamW) with each
+backend's default attention kernel (``kernel_used``: "best" on torch, which is the fused C++
+tiles on CPU; "jagged" on JAX), the tiled no-padding attention (``hstu_kernel = "tiled"``) and
+the padded reference attention on the same jagged batch ("jagged" runs whichever of the last two
+``Backend.tiles_pay_off`` picks).
 For each config and kernel the backends' steps ALTERNATE (``step.alternate_steps``: one warm-up
 step each, then ``repeats`` rounds, medians), so the torch / JAX ratio is not the load's drift
 between two measurements. Fields: ``tokens`` (real input tokens per step), ``seconds``, ``tokens_per_s``,
@@ -18,7 +20,7 @@ from .step import STEP_CONFIGS, alternate_steps, step_setup
 COLUMNS = ["backend", "device", "config", "kernel", "tokens", "seconds", "tokens_per_s", "vs_fastest"]
 
 
-def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, kernels=("tiled", "reference"),
+def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, kernels=("default", "tiled", "reference"),
         repeats: int = 3) -> list[dict]:
     from gr_functional.config import load_config
 
@@ -32,7 +34,8 @@ def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS,
             variants = {label: kernel_variant(B, kernel) for label, B in measured}
             for label, r in alternate_steps(variants, step_cfg, batch, repeats=repeats).items():
                 rows.append({"bench": "throughput", "backend": label, "device": device_label(variants[label]),
-                             "config": name, "kernel": kernel, "precision": cfg.backend.precision,
+                             "config": name, "kernel": kernel, "kernel_used": variants[label].hstu_kernel,
+                             "precision": cfg.backend.precision,
                              "tokens": r["tokens"], "sequences": r["sequences"], "seconds": r["seconds"],
                              "tokens_per_s": r["tokens"] / r["seconds"], **host})
     for row in rows:  # ratios need every backend's figure first

@@ -260,9 +260,10 @@ class BackendConfig:
     dtype: Dtype = "float32"
     # HSTU attention kernel, a name in the registry of backends/kernels.py (each kernel declares
     # the backends, dtypes, precisions, devices and model options it supports; others are refused
-    # by name): "default" (the backend's own choice: "jagged" on torch/jax, "auto" = mxrec or
-    # Triton on npu), "jagged" (no-padding tiles where they save enough work), "tiled" (always),
-    # "reference" (padded), "triton" (torch/npu), "mxrec" (npu), or a kernel registered by a plugin.
+    # by name): "default" (the backend's own choice: "best" on torch = "cpu_fused" on CPU where it
+    # builds, else "jagged"; "jagged" on jax; "auto" = mxrec or Triton on npu), "jagged" (no-padding
+    # tiles where they save enough work), "tiled" (always), "reference" (padded), "cpu_fused" (fused
+    # C++ tiles, torch CPU), "triton" (torch/npu), "mxrec" (npu), or a kernel registered by a plugin.
     hstu_kernel: str = "default"
     # Row-sparse embedding update (embedding.optimizer lazy_adam / rowwise_adagrad;
     # backends/row_kernels.py): "default" (the backend's choice: "reference" on torch/jax, "auto"
@@ -275,6 +276,11 @@ class BackendConfig:
     # always jit-compiles its step); the first steps of each new batch shape compile (~30-60 s on
     # 2 CPU cores). README "Speed" has the measured gain.
     compile: bool = False
+    # torch on CPU: the fused C++ ops of backends/cpu_fused (the attention "default"/"best" runs,
+    # and the loss's sampled logits in fp32/fp64), built on first use with torch.utils.cpp_extension
+    # (needs a C++ compiler; where the build fails, a warning and the torch formulations). false:
+    # the torch formulations only. torch only.
+    cpu_fused: bool = True
     # Recompute the attention in backward instead of keeping it (activation checkpointing of
     # hstu_attention: torch.utils.checkpoint / jax.checkpoint): autograd keeps only q, k, v and the
     # bias parameters of each layer, not its score tiles or matrices; costs one more attention
@@ -579,6 +585,12 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         fail("backend", "compile", f"torch.compile is a torch-backend option: "
                                    f"{'JAX always jit-compiles its step' if b.name == 'jax' else 'on npu it goes through torchair / triton-ascend, not verified here'}; "
                                    f"set backend.compile=false")
+    if not b.cpu_fused and b.name != "torch":
+        fail("backend", "cpu_fused", f"the fused C++ CPU ops are a torch-backend option ({b.name} has none); "
+                                     f"remove backend.cpu_fused")
+    if not b.cpu_fused and b.hstu_kernel == "cpu_fused":
+        fail("backend", "cpu_fused", "backend.hstu_kernel='cpu_fused' is the fused C++ op itself; set "
+                                     "backend.cpu_fused=true or choose another kernel")
     from backends import row_kernels  # no array library imported
 
     table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim

@@ -143,6 +143,8 @@ def make_backend(cfg: Config, device: str | None = None):
         options["row_kernel"] = cfg.backend.row_kernel
     if cfg.backend.compile:
         options["compile"] = True
+    if not cfg.backend.cpu_fused:
+        options["cpu_fused"] = False
     backend_class(cfg.backend.name).prepare_process(attention_recompute=cfg.backend.attention_recompute)
     B = get_backend(cfg.backend.name, **options)
     if cfg.backend.attention_recompute:

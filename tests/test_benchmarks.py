@@ -21,7 +21,8 @@ def test_attention_bench_json(capsys):
     printed = _lines(capsys)
     assert printed == json.loads(json.dumps(rows))
     assert {(r["backend"], r["variant"]) for r in printed} == {(b, v) for b in ("torch", "jax")
-                                                               for v in ("padded", "jagged", "jagged+recompute")}
+                                                               for v in ("padded", "jagged", "jagged+recompute")} \
+        | {("torch", "fused")}
     for r in printed:
         assert r["seconds"] > 0 and r["memory_bytes"] > 0 and r["sequences"] == 8
         assert r["ideal_layer"] >= 1.0 and r["speedup"] > 0
@@ -29,6 +30,7 @@ def test_attention_bench_json(capsys):
             assert r["speedup"] == 1.0 and r["memory_ratio"] == 1.0
     kept = {r["variant"]: r["memory_bytes"] for r in printed if r["backend"] == "torch"}
     assert kept["jagged+recompute"] < kept["jagged"]  # autograd keeps the attention's inputs only
+    assert kept["fused"] < kept["jagged"]             # the fused tiles keep q, k, v only
 
 
 @pytest.fixture
@@ -47,7 +49,9 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
         assert r["model_flops"] == sum(r["flops_parts"].values())
     throughput.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), repeats=1)
     rows = _lines(capsys)
-    assert len(rows) == 4 and max(r["vs_fastest"] for r in rows) == 1.0
+    assert len(rows) == 6 and max(r["vs_fastest"] for r in rows) == 1.0  # 2 backends x 3 kernels
+    used = {(r["backend"], r["kernel"]): r["kernel_used"] for r in rows}
+    assert used[("torch", "default")] == "best" and used[("jax", "default")] == "jagged"
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
@@ -65,7 +69,9 @@ def test_recompute_bench_json(capsys, small_step_config):
 def test_roofline_bench_json(capsys, small_step_config):
     from benchmarks import roofline
 
-    rows = roofline.run(json_lines=True, cfg=load_config(None), configs=("kuairand_1k",), top=None, peak_n=512, mib=16)
+    # the torch formulations (cpu_fused off): their aten ops are what the byte rules estimate
+    cfg = load_config(None, ["backend.cpu_fused=false"])
+    rows = roofline.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), top=None, peak_n=512, mib=16)
     assert _lines(capsys) == json.loads(json.dumps(rows))
     [r] = rows
     assert r["peak_flops"] > 0 and r["bandwidth_bytes_s"] > 0 and r["profiled_s"] > 0 and r["roofline_s"] > 0
@@ -90,6 +96,7 @@ def test_roofline_byte_and_flop_rules():
     assert op_bytes("aten::mul", [[10, 4], [10, 4]], [], True) == 0      # a wrapper: its children move the data
     assert op_bytes("aten::view", [[10, 4], []], [], False) == 0
     assert op_bytes("aten::cat", [[], []], [], False) is None            # tensor lists: not recorded
+    assert op_bytes("FusedTilesBackward", [[8, 2, 4]], [], True) is None  # fused C++ ops: measured time
 
 
 def test_embedding_bench_json(capsys):

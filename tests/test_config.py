@@ -113,7 +113,7 @@ def test_every_number_is_range_checked_at_parse_time(override, message):
 
 
 @pytest.mark.parametrize("override,valid", [
-    ("backend.hstu_kernel=flash", "'default', 'jagged', 'tiled', 'reference', 'triton'"),
+    ("backend.hstu_kernel=flash", "'default', 'jagged', 'tiled', 'reference', 'cpu_fused', 'best', 'triton'"),
     ("backend.dtype=int8", "'float32', 'float64'"),
     ("backend.precision=fp8", "'fp32', 'bf16', 'fp16'"),
     ("backend.name=tensorflow", "'torch', 'jax', 'npu'"),

@@ -120,10 +120,12 @@ def test_grf_train_imports_a_kernel_plugin(tmp_path):
 
 
 def test_default_resolves_per_backend():
-    assert kernels.default_kernel("torch") == kernels.default_kernel("jax") == "jagged"
+    assert kernels.default_kernel("torch") == "best"  # cpu_fused on CPU where it builds, else jagged
+    assert kernels.default_kernel("jax") == "jagged"
     assert kernels.default_kernel("npu") == "auto"
-    assert get_backend("torch").hstu_kernel == "jagged"
-    assert get_backend("torch", hstu_kernel="default").hstu_kernel == "jagged"
+    assert get_backend("torch").hstu_kernel == "best"
+    assert get_backend("torch", hstu_kernel="default").hstu_kernel == "best"
+    assert get_backend("jax", hstu_kernel="default").hstu_kernel == "jagged"
 
 
 @pytest.mark.parametrize("overrides, refused", [
@@ -187,4 +189,4 @@ def test_registry_rules():
 def test_unknown_kernel_names_the_valid_ones():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["backend.hstu_kernel=flash"])
-    assert "valid for torch: 'default', 'jagged', 'tiled', 'reference', 'triton'" in str(info.value)
+    assert "valid for torch: 'default', 'jagged', 'tiled', 'reference', 'cpu_fused', 'best', 'triton'" in str(info.value)

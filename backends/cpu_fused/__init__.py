@@ -1,0 +1,209 @@
+"""The fused CPU ops of the torch backend: the HSTU attention (``backend.hstu_kernel =
+"cpu_fused"``, what the torch default "best" runs on CPU) and the sampled logits of the loss
+(``TorchBackend.sampled_logits`` on CPU in fp32/fp64); ``backend.cpu_fused = false`` turns both off.
+
+The tiled kernel (``Backend.hstu_attention_tiled``) runs each step of a tile as its own torch op:
+gathers of q/k/v chunks into ``[H, P, C, d]`` copies, the score product, the bias gather and add,
+SiLU, mask and scale, the value product, and in backward the same again with their scatters,
+each a full memory pass over ``[H, P, C, C]`` score tiles. ``hstu_attention.cpp`` does one
+``(pair, head)`` tile at a time instead: its two products on torch's own BLAS (``sgemm_`` read
+straight from q/k/v rows, no chunk copies), bias, SiLU, mask and scale in one pass while the tile
+is in cache, and nothing of size ``[H, P, C, C]`` kept for backward (it recomputes the tiles).
+The relative bias is built in-kernel from ``pos_w`` and the memoised time buckets
+(``Backend.tile_time_buckets``), and its gradient is summed in-kernel.
+
+Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; the
+build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) for x86-64
+CPUs with AVX2. Where it cannot be built or run, selecting the kernel raises
+``UnsupportedOnBackend`` with the reason (``backend.hstu_kernel`` names the kernels that run).
+The sampled logits (``sampled_logits``) replace the chunked torch Function's ``[chunk, N]``
+score blocks or ``[chunk, R, D]`` row copies with one dot per (position, id), read straight from
+the item rows. The differential suite checks both against float64 oracles, outputs and every
+gradient, in float32 and float64 (``tests/differential/test_cpu_fused.py``, ``test_ops.py``).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built on this machine, or None (cheap checks only: no build)."""
+    import torch
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is built for x86-64 CPUs with AVX2, this machine is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"it needs AVX2, torch reports CPU capability {capability}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the PyPI wheel puts the binary on PATH when installed)
+        except ImportError:
+            return "torch.utils.cpp_extension needs ninja to build it (pip install ninja)"
+    return None
+
+
+_BUILT: dict = {}  # "module" or "error": the one build attempt of this process
+
+
+def load():
+    """The built extension module (``forward``, ``backward``, ``sampled_forward``,
+    ``sampled_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
+    torch's BLAS is not found. Built (or refused) once per process."""
+    from npu_ops import UnsupportedOnBackend
+
+    if "module" in _BUILT:
+        return _BUILT["module"]
+    if "error" not in _BUILT:
+        reason = unavailable_reason()
+        if reason is None:
+            from torch.utils import cpp_extension
+
+            try:
+                module = cpp_extension.load(name="grf_hstu_cpu_fused", sources=[_SOURCE], extra_cflags=_FLAGS,
+                                            extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
+                reason = f"building {_SOURCE} failed: {exc}"
+            else:
+                if module.blas_available():
+                    _BUILT["module"] = module
+                    return module
+                reason = "torch's BLAS symbols sgemm_/dgemm_ are not exported by this torch build"
+        _BUILT["error"] = f"cpu_fused ops: {reason}"
+    raise UnsupportedOnBackend(_BUILT["error"])
+
+
+def available(warn: bool = True) -> bool:
+    """Whether ``load()`` succeeds; the first failure is reported once as a warning with the reason
+    (callers then run their torch formulation)."""
+    from npu_ops import UnsupportedOnBackend
+
+    try:
+        load()
+        return True
+    except UnsupportedOnBackend as exc:
+        if warn and not _BUILT.get("warned"):
+            import warnings
+
+            _BUILT["warned"] = True
+            warnings.warn(f"{exc}; the torch formulations run instead (backend.cpu_fused = false silences this)",
+                          stacklevel=3)
+        return False
+
+
+def _empty(like):
+    import torch
+
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+def _function():
+    import torch
+
+    class FusedTiles(torch.autograd.Function):
+        """out[T, H, dv] of q, k, v [T, H, d] and the bias tables; the plan's index arrays ride along."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, pos_w, ts_w, index, norm_len):
+            chunk_rows, pair_q, pair_k, pos, bucket = index
+            ext = load()
+            out = ext.forward(q, k, v, chunk_rows, pair_q, pair_k, pos, pos_w, ts_w, bucket, norm_len)
+            ctx.save_for_backward(q, k, v, pos_w, ts_w)
+            ctx.index, ctx.norm_len = index, norm_len
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, pos_w, ts_w = ctx.saved_tensors
+            chunk_rows, pair_q, pair_k, pos, bucket = ctx.index
+            dq, dk, dv, dpos, dts = load().backward(dout, q, k, v, chunk_rows, pair_q, pair_k, pos, pos_w, ts_w,
+                                                    bucket, ctx.norm_len)
+            return dq, dk, dv, dpos if pos_w.numel() else None, dts if ts_w.numel() else None, None, None
+
+    return FusedTiles
+
+
+_APPLY: dict = {}  # the Functions' eager ``apply``s, made once (a dict, not lru_cache: dynamo warns on those)
+
+
+def _eager(name: str, make):
+    """``make().apply`` run eager under ``torch.compile`` (dynamo cannot trace the extension's
+    calls; the graph break costs nothing, the ops are already fused)."""
+    if name not in _APPLY:
+        import torch
+
+        _APPLY[name] = torch.compiler.disable(make().apply)
+    return _APPLY[name]
+
+
+def _fused_tiles():
+    return _eager("tiles", _function)
+
+
+def _sampled_function():
+    import torch
+
+    class FusedSampledLogits(torch.autograd.Function):
+        """out[T, R] of user[T, D], items[N, D], ids[T, R]; nothing but the inputs is kept."""
+
+        @staticmethod
+        def forward(ctx, user, items, ids):
+            ctx.save_for_backward(user, items, ids)
+            return load().sampled_forward(user, items, ids)
+
+        @staticmethod
+        def backward(ctx, grad):
+            user, items, ids = ctx.saved_tensors
+            d_user, d_items = load().sampled_backward(grad, user, items, ids)
+            return d_user, d_items, None
+
+    return FusedSampledLogits
+
+
+def _fused_sampled():
+    return _eager("sampled", _sampled_function)
+
+
+def sampled_logits(user, items, ids):
+    """``Backend.sampled_logits``: ``out[t, r] = <user[t], items[ids[t, r]]>``, user[T, D] and
+    items[N, D] float32/float64 on the CPU, ids[T, R] integer -> [T, R]. One dot per (position,
+    id) straight from the item rows, nothing ``[T, N]`` or ``[T, R, D]`` written; backward sums
+    each id's gradient in one task (deterministic, no scatter conflicts)."""
+    return _fused_sampled()(user, items, ids)
+
+
+def _rows_contiguous(x):
+    """``x[T, H, d]`` as the kernel reads it: rows of H*d contiguous values (any row stride), so
+    the (u, v, q, k) column slices of one uvqk product pass without a copy."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def attention(B, q, k, v, layout, norm_len, bias):
+    """``hstu_attention``'s contract (backends/kernels.py) on ``layout.tiles``, fused (module docstring)."""
+    plan = layout.tiles
+    pos_w = bias.pos_w if bias.pos_w is not None else _empty(q)
+    ts_w = bias.ts_w if bias.ts_w is not None else _empty(q)
+    bucket = B.tile_time_buckets(layout, bias) if bias.ts_w is not None else B.xp.zeros(0, dtype=B.xp.int32)
+    index = (plan.chunk_rows, plan.pair_q, plan.pair_k, layout.pos, bucket)
+    return _fused_tiles()(_rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v), pos_w, ts_w, index,
+                                int(norm_len))
+
+
+def factory(B):
+    """The kernel for backend ``B`` (built now, so a missing compiler is reported at start-up)."""
+    from npu_ops import UnsupportedOnBackend
+
+    if B.device_kind != "cpu":
+        raise UnsupportedOnBackend(f"cpu_fused attention runs on the CPU, not on {B.device_kind!r}")
+    load()
+    return attention

@@ -1,0 +1,540 @@
+// Fused HSTU attention over a TilePlan's chunk pairs, CPU (torch extension; backends/cpu_fused/__init__.py).
+//
+// out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j, computed one (pair, head)
+// tile at a time: the tile's two products run on BLAS (sgemm_/dgemm_ of torch's own MKL, looked up
+// at load time), its bias, SiLU, mask and scale in one pass while the tile is in cache. Nothing of
+// size [H, P, C, C] is kept for backward: backward recomputes each tile (flash-attention style).
+//
+// Work split, no locks and no atomics:
+//   forward     one task per query chunk c (its pairs are contiguous: the plan sorts them by q chunk);
+//   backward A  one task per key chunk kc: dV_kc, dK_kc, the bias gradient, and dZ tiles to a buffer;
+//   backward B  one task per query chunk c: dQ_c from the dZ tiles.
+// Tasks are taken from a shared counter (largest first); every output element is written by one
+// task in a fixed order, so results do not depend on the thread count or the schedule.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using gemm_f = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                        const int*, const float*, const int*, const float*, float*, const int*);
+using gemm_d = void (*)(const char*, const char*, const int*, const int*, const int*, const double*,
+                        const double*, const int*, const double*, const int*, const double*, double*, const int*);
+gemm_f sgemm_ptr = nullptr;
+gemm_d dgemm_ptr = nullptr;
+
+bool load_blas() {
+  if (sgemm_ptr == nullptr) {
+    sgemm_ptr = reinterpret_cast<gemm_f>(dlsym(RTLD_DEFAULT, "sgemm_"));
+    dgemm_ptr = reinterpret_cast<gemm_d>(dlsym(RTLD_DEFAULT, "dgemm_"));
+  }
+  return sgemm_ptr != nullptr && dgemm_ptr != nullptr;
+}
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, through column-major BLAS (C^T = op(B)^T op(A)^T).
+template <typename T>
+void mm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
+        int ldc) {
+  if (M == 0 || N == 0) return;
+  const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_ptr(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+  } else {
+    dgemm_ptr(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+  }
+}
+
+// exp for the tile loops: Cephes' expf polynomial with the exponent set by bit arithmetic, written
+// so that the compiler vectorises it (std::exp stays scalar without -ffast-math); 1-2 ulp.
+inline float exp_fast(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+inline double exp_fast(double x) { return std::exp(x); }
+
+template <typename T>
+inline T sigmoid(T z) {
+  return T(1) / (T(1) + exp_fast(-z));
+}
+
+// The chunk pairs of one batch, read from the plan's index arrays.
+struct Plan {
+  int64_t C = 0;                    // tile (chunk length)
+  std::vector<int64_t> start, len;  // per chunk: first token row, real rows
+  std::vector<int64_t> pos0;        // per chunk: position (in its sequence) of its first token
+  std::vector<int64_t> pq, pk;      // per real pair: query chunk, key chunk; pair index = plan index
+  std::vector<int64_t> pair_id;     // per real pair: its row in the plan's pair arrays (dZ buffer row)
+  std::vector<int64_t> q_first;     // CSR of pairs by query chunk (pairs sorted by q chunk)
+  std::vector<int64_t> k_first, k_pairs;  // CSR of pairs by key chunk
+};
+
+Plan read_plan(const torch::Tensor& chunk_rows, const torch::Tensor& pair_q, const torch::Tensor& pair_k,
+               const torch::Tensor& pos, int64_t t_cap) {
+  Plan plan;
+  auto rows = chunk_rows.contiguous().to(torch::kInt64);
+  auto pqs = pair_q.contiguous().to(torch::kInt64), pks = pair_k.contiguous().to(torch::kInt64);
+  auto ps = pos.contiguous().to(torch::kInt64);
+  const int64_t nc = rows.size(0), C = rows.size(1);
+  plan.C = C;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  plan.start.assign(nc, t_cap);
+  plan.len.assign(nc, 0);
+  plan.pos0.assign(nc, 0);
+  for (int64_t c = 0; c < nc; ++c) {
+    int64_t n = 0;
+    while (n < C && r[c * C + n] < t_cap) ++n;
+    plan.len[c] = n;
+    if (n > 0) {
+      plan.start[c] = r[c * C];
+      plan.pos0[c] = pp[r[c * C]];
+      TORCH_CHECK(r[c * C + n - 1] == r[c * C] + n - 1, "cpu_fused attention: chunk ", c,
+                  " is not a run of consecutive token rows");
+    }
+  }
+  const int64_t P = pqs.size(0);
+  const int64_t* q = pqs.data_ptr<int64_t>();
+  const int64_t* k = pks.data_ptr<int64_t>();
+  plan.q_first.assign(nc + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    if (q[p] >= nc || k[p] >= nc || plan.len[q[p]] == 0 || plan.len[k[p]] == 0) continue;  // padding pairs
+    TORCH_CHECK(plan.pq.empty() || q[p] >= plan.pq.back(), "cpu_fused attention: pairs not sorted by query chunk");
+    plan.pq.push_back(q[p]);
+    plan.pk.push_back(k[p]);
+    plan.pair_id.push_back(p);
+    plan.q_first[q[p] + 1] += 1;
+  }
+  std::partial_sum(plan.q_first.begin(), plan.q_first.end(), plan.q_first.begin());
+  plan.k_first.assign(nc + 1, 0);
+  for (int64_t kc : plan.pk) plan.k_first[kc + 1] += 1;
+  std::partial_sum(plan.k_first.begin(), plan.k_first.end(), plan.k_first.begin());
+  plan.k_pairs.resize(plan.pk.size());
+  std::vector<int64_t> fill(plan.k_first.begin(), plan.k_first.end() - 1);
+  for (size_t i = 0; i < plan.pk.size(); ++i) plan.k_pairs[fill[plan.pk[i]]++] = static_cast<int64_t>(i);
+  return plan;
+}
+
+// Runs task(t) for t in [0, n) on torch's intra-op threads, costliest first (cost[t]).
+template <typename F>
+void run_tasks(const std::vector<int64_t>& cost, F task) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++) task(order[i]);
+    }
+  });
+}
+
+// The bias of tile (query chunk cq, key chunk ck) in rab[Mq, C]: pos_w[(n-1) + k_pos - q_pos] and
+// ts_w[bucket], on allowed cells only (the rest are never read).
+template <typename T>
+void bias_tile(const Plan& plan, int64_t p, int64_t cq, int64_t ck, const T* pos_w, int64_t pos_size, const T* ts_w,
+               const int32_t* bucket, int64_t norm_len, T* rab) {
+  const int64_t C = plan.C, Mq = plan.len[cq], Mk = plan.len[ck];
+  const bool diag = cq == ck;
+  for (int64_t i = 0; i < Mq; ++i) {
+    const int64_t jn = diag ? i + 1 : Mk;
+    T* row = rab + i * C;
+    for (int64_t j = 0; j < jn; ++j) row[j] = T(0);
+    if (pos_w != nullptr) {
+      const int64_t base = (norm_len - 1) + plan.pos0[ck] - plan.pos0[cq] - i;
+      TORCH_CHECK(base >= 0 && base + jn - 1 < pos_size, "cpu_fused attention: position gap outside pos_w "
+                  "(norm_len smaller than the sequence?)");
+      for (int64_t j = 0; j < jn; ++j) row[j] += pos_w[base + j];
+    }
+    if (ts_w != nullptr) {
+      const int32_t* b = bucket + (plan.pair_id[p] * C + i) * C;
+      for (int64_t j = 0; j < jn; ++j) row[j] += ts_w[b[j]];
+    }
+  }
+}
+
+template <typename T>
+struct Inputs {
+  const T *q, *k, *v;
+  int64_t sq, sk, sv;  // row strides (elements) of q, k, v: H * d when contiguous
+  int64_t H, dqk, dv;
+  const T *pos_w = nullptr, *ts_w = nullptr;
+  int64_t pos_size = 0, ts_size = 0;
+  const int32_t* bucket = nullptr;
+  int64_t norm_len;
+};
+
+template <typename T>
+Inputs<T> inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos_w,
+                 const torch::Tensor& ts_w, const torch::Tensor& bucket, int64_t norm_len) {
+  Inputs<T> in;
+  in.q = q.data_ptr<T>();
+  in.k = k.data_ptr<T>();
+  in.v = v.data_ptr<T>();
+  in.sq = q.stride(0);
+  in.sk = k.stride(0);
+  in.sv = v.stride(0);
+  in.H = q.size(1);
+  in.dqk = q.size(2);
+  in.dv = v.size(2);
+  if (pos_w.numel() > 0) {
+    in.pos_w = pos_w.data_ptr<T>();
+    in.pos_size = pos_w.numel();
+  }
+  if (ts_w.numel() > 0) {
+    in.ts_w = ts_w.data_ptr<T>();
+    in.ts_size = ts_w.numel();
+    in.bucket = bucket.data_ptr<int32_t>();
+  }
+  in.norm_len = norm_len;
+  return in;
+}
+
+void check(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "cpu_fused attention: ", name, " must be on the CPU");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "cpu_fused attention: ", name, " must be [T, H, d] with rows of H*d contiguous values");
+}
+
+template <typename T>
+torch::Tensor forward_impl(const Plan& plan, const Inputs<T>& in, torch::Tensor out) {
+  const int64_t C = plan.C, H = in.H, dqk = in.dqk, dv = in.dv, nc = plan.len.size();
+  const T inv_n = T(1) / T(in.norm_len);
+  T* o = out.data_ptr<T>();
+  std::vector<int64_t> cost(nc);
+  for (int64_t c = 0; c < nc; ++c) cost[c] = plan.q_first[c + 1] - plan.q_first[c];
+  run_tasks(cost, [&](int64_t c) {
+    const int64_t Mq = plan.len[c];
+    if (Mq == 0) return;
+    std::vector<T> rab(C * C), s(C * C);
+    for (int64_t p = plan.q_first[c]; p < plan.q_first[c + 1]; ++p) {
+      const int64_t kc = plan.pk[p], Mk = plan.len[kc];
+      const bool diag = kc == c;
+      bias_tile<T>(plan, p, c, kc, in.pos_w, in.pos_size, in.ts_w, in.bucket, in.norm_len, rab.data());
+      for (int64_t h = 0; h < H; ++h) {
+        const T* qc = in.q + plan.start[c] * in.sq + h * dqk;
+        const T* kk = in.k + plan.start[kc] * in.sk + h * dqk;
+        const T* vk = in.v + plan.start[kc] * in.sv + h * dv;
+        mm<T>(false, true, Mq, Mk, dqk, T(1), qc, in.sq, kk, in.sk, T(0), s.data(), C);
+        for (int64_t i = 0; i < Mq; ++i) {
+          T* row = s.data() + i * C;
+          const T* b = rab.data() + i * C;
+          const int64_t jn = diag ? i + 1 : Mk;
+#pragma omp simd
+          for (int64_t j = 0; j < jn; ++j) {
+            const T z = row[j] + b[j];
+            row[j] = z * sigmoid(z) * inv_n;
+          }
+          for (int64_t j = jn; j < Mk; ++j) row[j] = T(0);
+        }
+        T* oc = o + plan.start[c] * (H * dv) + h * dv;
+        mm<T>(false, false, Mq, dv, Mk, T(1), s.data(), C, vk, in.sv, p == plan.q_first[c] ? T(0) : T(1), oc, H * dv);
+      }
+    }
+  });
+  return out;
+}
+
+template <typename T>
+std::vector<torch::Tensor> backward_impl(const Plan& plan, const Inputs<T>& in, const torch::Tensor& dout,
+                                         torch::Tensor dq, torch::Tensor dk, torch::Tensor dv_t,
+                                         int64_t pair_rows) {
+  const int64_t C = plan.C, H = in.H, dqk = in.dqk, dv = in.dv, nc = plan.len.size();
+  const T inv_n = T(1) / T(in.norm_len);
+  const T* g = dout.data_ptr<T>();
+  const int64_t sg = dout.stride(0);
+  T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv_t.data_ptr<T>();
+  // dZ tiles of every (pair, head), written by pass A, read by pass B
+  auto dz_buf = torch::empty({pair_rows, H, C, C}, dout.options());
+  T* dz_all = dz_buf.data_ptr<T>();
+  // the bias gradient of each key chunk's task, summed over chunks in chunk order afterwards:
+  // the result does not depend on which thread ran which task (runs are bitwise reproducible)
+  std::vector<T> dpos(nc * in.pos_size, T(0)), dts(nc * in.ts_size, T(0));
+
+  std::vector<int64_t> cost(nc);
+  for (int64_t c = 0; c < nc; ++c) cost[c] = plan.k_first[c + 1] - plan.k_first[c];
+  run_tasks(cost, [&](int64_t kc) {
+    const int64_t Mk = plan.len[kc];
+    if (Mk == 0) return;
+    std::vector<T> rab(C * C), s(C * C), dp(C * C), drab(C * C);
+    for (int64_t e = plan.k_first[kc]; e < plan.k_first[kc + 1]; ++e) {
+      const int64_t p = plan.k_pairs[e], c = plan.pq[p], Mq = plan.len[c];
+      const bool diag = kc == c;
+      const bool first = e == plan.k_first[kc];
+      bias_tile<T>(plan, p, c, kc, in.pos_w, in.pos_size, in.ts_w, in.bucket, in.norm_len, rab.data());
+      std::fill(drab.begin(), drab.end(), T(0));
+      for (int64_t h = 0; h < H; ++h) {
+        const T* qc = in.q + plan.start[c] * in.sq + h * dqk;
+        const T* kk = in.k + plan.start[kc] * in.sk + h * dqk;
+        const T* vk = in.v + plan.start[kc] * in.sv + h * dv;
+        const T* gc = g + plan.start[c] * sg + h * dv;
+        T* dz = dz_all + (plan.pair_id[p] * H + h) * C * C;
+        mm<T>(false, true, Mq, Mk, dqk, T(1), qc, in.sq, kk, in.sk, T(0), s.data(), C);   // scores
+        mm<T>(false, true, Mq, Mk, dv, T(1), gc, sg, vk, in.sv, T(0), dp.data(), C);     // dP = dO V^T
+        for (int64_t i = 0; i < Mq; ++i) {
+          T* srow = s.data() + i * C;
+          T* dprow = dp.data() + i * C;
+          T* dzrow = dz + i * C;
+          T* drow = drab.data() + i * C;
+          const T* b = rab.data() + i * C;
+          const int64_t jn = diag ? i + 1 : Mk;
+#pragma omp simd
+          for (int64_t j = 0; j < jn; ++j) {
+            const T z = srow[j] + b[j];
+            const T sg_z = sigmoid(z);
+            const T dzv = dprow[j] * inv_n * sg_z * (T(1) + z * (T(1) - sg_z));
+            srow[j] = z * sg_z * inv_n;  // the probabilities, for dV
+            dzrow[j] = dzv;
+            drow[j] += dzv;
+          }
+          for (int64_t j = jn; j < Mk; ++j) {
+            srow[j] = T(0);
+            dzrow[j] = T(0);
+          }
+        }
+        T* dvk = dvp + plan.start[kc] * (H * dv) + h * dv;
+        T* dkk = dkp + plan.start[kc] * (H * dqk) + h * dqk;
+        const T beta = first ? T(0) : T(1);
+        mm<T>(true, false, Mk, dv, Mq, T(1), s.data(), C, gc, sg, beta, dvk, H * dv);    // dV += P^T dO
+        mm<T>(true, false, Mk, dqk, Mq, T(1), dz, C, qc, in.sq, beta, dkk, H * dqk);     // dK += dZ^T Q
+      }
+      // bias gradient: the head-summed dZ, scattered to the tables' entries
+      T* dpw = in.pos_size ? dpos.data() + kc * in.pos_size : nullptr;
+      T* dtw = in.ts_size ? dts.data() + kc * in.ts_size : nullptr;
+      for (int64_t i = 0; i < Mq; ++i) {
+        const int64_t jn = diag ? i + 1 : Mk;
+        const T* drow = drab.data() + i * C;
+        if (dpw != nullptr) {
+          const int64_t base = (in.norm_len - 1) + plan.pos0[kc] - plan.pos0[c] - i;
+          for (int64_t j = 0; j < jn; ++j) dpw[base + j] += drow[j];
+        }
+        if (dtw != nullptr) {
+          const int32_t* b = in.bucket + (plan.pair_id[p] * C + i) * C;
+          for (int64_t j = 0; j < jn; ++j) dtw[b[j]] += drow[j];
+        }
+      }
+    }
+  });
+
+  for (int64_t c = 0; c < nc; ++c) cost[c] = plan.q_first[c + 1] - plan.q_first[c];
+  run_tasks(cost, [&](int64_t c) {
+    const int64_t Mq = plan.len[c];
+    if (Mq == 0) return;
+    for (int64_t p = plan.q_first[c]; p < plan.q_first[c + 1]; ++p) {
+      const int64_t kc = plan.pk[p], Mk = plan.len[kc];
+      for (int64_t h = 0; h < H; ++h) {
+        const T* kk = in.k + plan.start[kc] * in.sk + h * dqk;
+        const T* dz = dz_all + (plan.pair_id[p] * H + h) * C * C;
+        T* dqc = dqp + plan.start[c] * (H * dqk) + h * dqk;
+        mm<T>(false, false, Mq, dqk, Mk, T(1), dz, C, kk, in.sk, p == plan.q_first[c] ? T(0) : T(1), dqc, H * dqk);
+      }
+    }
+  });
+
+  torch::Tensor dpos_t = torch::zeros({in.pos_size}, dout.options());
+  torch::Tensor dts_t = torch::zeros({in.ts_size}, dout.options());
+  T* a = dpos_t.data_ptr<T>();
+  T* b = dts_t.data_ptr<T>();
+  for (int64_t c = 0; c < nc; ++c) {
+    for (int64_t i = 0; i < in.pos_size; ++i) a[i] += dpos[c * in.pos_size + i];
+    for (int64_t i = 0; i < in.ts_size; ++i) b[i] += dts[c * in.ts_size + i];
+  }
+  return {dq, dk, dv_t, dpos_t, dts_t};
+}
+
+}  // namespace
+
+// q[T, H, dqk], k[T, H, dqk], v[T, H, dv] (rows of H*d contiguous values, any row stride);
+// chunk_rows[nc+1, C], pair_q[P], pair_k[P] (a TilePlan), pos[T] int (position in the sequence);
+// pos_w[2n-1] or empty, ts_w[K+1] or empty, bucket[P, C, C] int32 (time buckets of each pair's cells)
+// -> out[T, H, dv] (zeros on rows outside every chunk).
+torch::Tensor hstu_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor chunk_rows,
+                           torch::Tensor pair_q, torch::Tensor pair_k, torch::Tensor pos, torch::Tensor pos_w,
+                           torch::Tensor ts_w, torch::Tensor bucket, int64_t norm_len) {
+  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS (sgemm_/dgemm_) is not loaded");
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  const int64_t T_ = q.size(0);
+  const Plan plan = read_plan(chunk_rows, pair_q, pair_k, pos, T_);
+  auto out = torch::zeros({T_, v.size(1), v.size(2)}, v.options());
+  auto pw = pos_w.contiguous(), tw = ts_w.contiguous();
+  auto bk = bucket.numel() ? bucket.contiguous().to(torch::kInt32) : bucket;
+  if (q.scalar_type() == torch::kFloat) {
+    forward_impl<float>(plan, inputs<float>(q, k, v, pw, tw, bk, norm_len), out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kDouble, "cpu_fused attention: float32 or float64 only");
+    forward_impl<double>(plan, inputs<double>(q, k, v, pw, tw, bk, norm_len), out);
+  }
+  return out;
+}
+
+// Gradients of hstu_forward's out in q, k, v, pos_w, ts_w (empty when the table was): dout[T, H, dv].
+std::vector<torch::Tensor> hstu_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                         torch::Tensor chunk_rows, torch::Tensor pair_q, torch::Tensor pair_k,
+                                         torch::Tensor pos, torch::Tensor pos_w, torch::Tensor ts_w,
+                                         torch::Tensor bucket, int64_t norm_len) {
+  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS (sgemm_/dgemm_) is not loaded");
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  auto g = dout.contiguous();
+  const int64_t T_ = q.size(0);
+  const Plan plan = read_plan(chunk_rows, pair_q, pair_k, pos, T_);
+  // rows outside every chunk get no gradient: zero them once, the tasks write chunk rows only
+  auto dq = torch::zeros({T_, q.size(1), q.size(2)}, q.options());
+  auto dk = torch::zeros({T_, k.size(1), k.size(2)}, k.options());
+  auto dv = torch::zeros({T_, v.size(1), v.size(2)}, v.options());
+  auto pw = pos_w.contiguous(), tw = ts_w.contiguous();
+  auto bk = bucket.numel() ? bucket.contiguous().to(torch::kInt32) : bucket;
+  const int64_t pair_rows = pair_q.size(0);
+  if (q.scalar_type() == torch::kFloat) {
+    return backward_impl<float>(plan, inputs<float>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv, pair_rows);
+  }
+  TORCH_CHECK(q.scalar_type() == torch::kDouble, "cpu_fused attention: float32 or float64 only");
+  return backward_impl<double>(plan, inputs<double>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv, pair_rows);
+}
+
+// ----------------------------------------------------------------------------- sampled logits
+// out[t, r] = <user[t], items[ids[t, r]]> (Backend.sampled_logits): one dot per (position, id)
+// read straight from the item rows. The chunked torch op computes a [chunk, N] score block or
+// copies [chunk, R, D] rows per chunk; here nothing but the [T, R] output is written. Backward:
+// d user[t] = sum_r g[t, r] items[ids[t, r]] (one task per position) and d items[i] = sum over
+// the (t, r) with ids[t, r] = i of g[t, r] user[t], the entries grouped by id with a counting
+// sort (stable in t * R + r) and one task per id: no scatter conflicts, no per-thread copies of
+// the table, and a summation order that does not depend on the threads.
+namespace {
+
+template <typename T>
+void sampled_forward_impl(const T* u, const T* items, const int64_t* ids, T* out, int64_t n_pos, int64_t R,
+                          int64_t D) {
+  at::parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* ut = u + t * D;
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = items + ids[t * R + r] * D;
+        T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += ut[d] * row[d];
+        out[t * R + r] = acc;
+      }
+    }
+  });
+}
+
+template <typename T>
+void sampled_backward_impl(const T* g, const T* u, const T* items, const int64_t* ids, T* du, T* di, int64_t n_pos,
+                           int64_t R, int64_t D, int64_t N) {
+  at::parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* dut = du + t * D;
+      std::fill(dut, dut + D, T(0));
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = items + ids[t * R + r] * D;
+        const T gv = g[t * R + r];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
+      }
+    }
+  });
+  const int64_t E = n_pos * R;
+  std::vector<int64_t> first(N + 1, 0), order(E);
+  for (int64_t e = 0; e < E; ++e) first[ids[e] + 1] += 1;
+  std::partial_sum(first.begin(), first.end(), first.begin());
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t e = 0; e < E; ++e) order[fill[ids[e]]++] = e;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* dii = di + i * D;
+      std::fill(dii, dii + D, T(0));
+      for (int64_t k = first[i]; k < first[i + 1]; ++k) {
+        const int64_t e = order[k];
+        const T* ut = u + (e / R) * D;
+        const T gv = g[e];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dii[d] += gv * ut[d];
+      }
+    }
+  });
+}
+
+torch::Tensor checked_ids(const torch::Tensor& ids, int64_t n_items) {
+  auto id = ids.contiguous().to(torch::kInt64);
+  if (id.numel() > 0) {
+    const auto lo = id.min().item<int64_t>(), hi = id.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < n_items, "cpu_fused sampled logits: ids must be in [0, ", n_items, "), got [", lo,
+                ", ", hi, "]");
+  }
+  return id;
+}
+
+}  // namespace
+
+// user[T, D], items[N, D] (float32 or float64, one dtype), ids[T, R] integer -> out[T, R].
+torch::Tensor sampled_forward(torch::Tensor user, torch::Tensor items, torch::Tensor ids) {
+  auto u = user.contiguous(), it = items.contiguous();
+  TORCH_CHECK(u.dim() == 2 && it.dim() == 2 && ids.dim() == 2 && u.size(1) == it.size(1) && ids.size(0) == u.size(0),
+              "cpu_fused sampled logits: user[T, D], items[N, D], ids[T, R]");
+  TORCH_CHECK(u.scalar_type() == it.scalar_type(), "cpu_fused sampled logits: user and items differ in dtype");
+  auto id = checked_ids(ids, it.size(0));
+  auto out = torch::empty({id.size(0), id.size(1)}, u.options());
+  if (u.scalar_type() == torch::kFloat) {
+    sampled_forward_impl<float>(u.data_ptr<float>(), it.data_ptr<float>(), id.data_ptr<int64_t>(),
+                                out.data_ptr<float>(), id.size(0), id.size(1), u.size(1));
+  } else {
+    TORCH_CHECK(u.scalar_type() == torch::kDouble, "cpu_fused sampled logits: float32 or float64 only");
+    sampled_forward_impl<double>(u.data_ptr<double>(), it.data_ptr<double>(), id.data_ptr<int64_t>(),
+                                 out.data_ptr<double>(), id.size(0), id.size(1), u.size(1));
+  }
+  return out;
+}
+
+// Gradients of sampled_forward's out in user and items: grad[T, R] -> (d_user[T, D], d_items[N, D]).
+std::vector<torch::Tensor> sampled_backward(torch::Tensor grad, torch::Tensor user, torch::Tensor items,
+                                            torch::Tensor ids) {
+  auto u = user.contiguous(), it = items.contiguous(), g = grad.contiguous().to(u.scalar_type());
+  auto id = checked_ids(ids, it.size(0));
+  auto du = torch::empty_like(u), di = torch::empty_like(it);
+  if (u.scalar_type() == torch::kFloat) {
+    sampled_backward_impl<float>(g.data_ptr<float>(), u.data_ptr<float>(), it.data_ptr<float>(),
+                                 id.data_ptr<int64_t>(), du.data_ptr<float>(), di.data_ptr<float>(), id.size(0),
+                                 id.size(1), u.size(1), it.size(0));
+  } else {
+    TORCH_CHECK(u.scalar_type() == torch::kDouble, "cpu_fused sampled logits: float32 or float64 only");
+    sampled_backward_impl<double>(g.data_ptr<double>(), u.data_ptr<double>(), it.data_ptr<double>(),
+                                  id.data_ptr<int64_t>(), du.data_ptr<double>(), di.data_ptr<double>(), id.size(0),
+                                  id.size(1), u.size(1), it.size(0));
+  }
+  return {du, di};
+}
+
+bool blas_available() { return load_blas(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &hstu_forward, "fused HSTU tile attention, forward");
+  m.def("backward", &hstu_backward, "fused HSTU tile attention, backward");
+  m.def("sampled_forward", &sampled_forward, "sampled logits, forward");
+  m.def("sampled_backward", &sampled_backward, "sampled logits, backward");
+  m.def("blas_available", &blas_available, "torch's sgemm_/dgemm_ found");
+}

@@ -1,0 +1,177 @@
+"""The fused CPU tile attention (backends/cpu_fused, ``backend.hstu_kernel = "cpu_fused"``).
+
+test_ops.py already runs it (and "best") on every layout case against the float64 oracle at fp32
+tolerances. Here: float64 to float64 rounding (so an indexing slip cannot hide under fp32
+noise), tiles from 1 to max_len and each bias term alone, rows read through strides (the uvqk
+slices), bitwise reproducible runs, and "best" choosing it where it runs and "jagged" elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+
+import numpy as np
+import pytest
+
+from backends import get_backend
+
+from . import oracle
+from .common import MAX_LEN, attention_bias, attention_inputs, grads, rel_err
+
+
+def _fused_backend(dtype="float32"):
+    from backends import BackendUnavailable
+
+    try:
+        return get_backend("torch", dtype=dtype, hstu_kernel="cpu_fused")
+    except BackendUnavailable as exc:  # no compiler / not x86-64 AVX2: the reason is the message
+        if os.environ.get("CI") and platform.machine() == "x86_64":
+            raise  # CI's machines can build it (.ci/run installs a compiler): never skip there
+        pytest.skip(str(exc))
+
+
+def _inputs(case, bias, seed=7):
+    layout, inputs, n = attention_inputs(case, np.random.default_rng(seed), heads=3, dqk=5, dv=4,
+                                         with_bias=bias != "none")
+    if bias == "pos":
+        inputs.pop("ts_w")
+    if bias == "time":
+        inputs.pop("pos_w")
+    inputs = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    inputs["cot"] = np.random.default_rng(seed + 1).standard_normal(inputs["v"].shape)
+    return layout, inputs, n
+
+
+@pytest.mark.parametrize("tile", [1, 4, 5, MAX_LEN])
+@pytest.mark.parametrize("bias", ["none", "pos", "time", "both"])
+@pytest.mark.parametrize("case", ["mixed", "empty_slots", "maxlen"])
+def test_float64_output_and_gradients_vs_oracle(case, bias, tile):
+    B = _fused_backend("float64")
+    ref = get_backend("torch", dtype="float64", hstu_kernel="reference")
+    layout, inputs, n = _inputs(case, bias)
+    inputs["layout"] = layout.with_tiles(tile)
+    a = B.asarray_tree(inputs)
+    out = B.to_numpy(B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(B, a)))
+    want = oracle.hstu_attention(inputs["q"], inputs["k"], inputs["v"], layout.offsets, n, inputs.get("pos_w"),
+                                 inputs.get("ts_w"), inputs["ts"], inputs["query_ts"])
+    assert rel_err(out, want) <= 1e-13
+
+    def loss(B, a):
+        return B.xp.sum(B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(B, a)) * a["cot"])
+
+    got, expected = grads(B, loss, inputs), grads(ref, loss, inputs)
+    keys = ["q", "k", "v"] + [key for key in ("pos_w", "ts_w") if key in inputs]
+    for key in keys:
+        assert np.abs(expected[key]).max() > 0, key
+        assert rel_err(got[key], expected[key]) <= 1e-12, key
+
+
+def test_strided_rows_and_reproducible_runs():
+    """q, k, v as column slices of one [T, 3*H*d] product (what hstu_uvqk hands over) give the same
+    bits as contiguous copies, and two runs give the same bits (the tasks' schedule varies)."""
+    import torch
+
+    B = _fused_backend()
+    layout, inputs, n = attention_inputs("mixed", np.random.default_rng(3), heads=2, dqk=4, dv=4)
+    a = B.asarray_tree(dict(inputs, layout=layout.with_tiles(3)))
+    bias = attention_bias(B, a)
+    T = a["q"].shape[0]
+    packed = torch.cat([a["q"], a["k"], a["v"]], dim=1).reshape(T, -1)
+    q, k, v = (packed[:, i * 8:(i + 1) * 8].reshape(T, 2, 4) for i in range(3))
+    assert not q.is_contiguous()
+
+    def run(q, k, v):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, a["pos_w"], a["ts_w"])]
+        b = dataclasses.replace(bias, pos_w=leaves[3], ts_w=leaves[4])
+        out = B.hstu_attention(*leaves[:3], a["layout"], n, b)
+        return [out.detach()] + list(torch.autograd.grad((out * out).sum(), leaves))
+
+    first = run(q, k, v)
+    for again in (run(q, k, v), run(q.contiguous(), k.contiguous(), v.contiguous())):
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
+
+
+def test_best_runs_fused_on_cpu_fp32_and_jagged_otherwise(monkeypatch):
+    """"best" (the torch default) calls the fused kernel on tile plans in fp32, the jagged one
+    under a 16-bit precision view or without a plan."""
+    import backends.cpu_fused as cpu_fused
+
+    _fused_backend()  # skips where the extension cannot be built
+    calls = []
+    real = cpu_fused.attention
+    monkeypatch.setattr(cpu_fused, "attention", lambda *args: calls.append(1) or real(*args))
+    B = get_backend("torch")
+    assert B.hstu_kernel == "best"
+    layout, inputs, n = attention_inputs("mixed", np.random.default_rng(5))
+    for tiles, view, fused in ((True, B, True), (False, B, False), (True, B.with_precision("bf16"), False)):
+        calls.clear()
+        lay = layout.with_tiles(4) if tiles else layout
+        a = view.asarray_tree(dict(inputs, layout=lay))
+        q, k, v = (view.cast(a[x], "bfloat16") if view is not B else a[x] for x in ("q", "k", "v"))
+        view.hstu_attention(q, k, v, a["layout"], n, attention_bias(view, a))
+        assert bool(calls) == fused, (tiles, view)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n_items", [20, 5000])  # the chunked op's dense and row-gather formulations
+def test_sampled_logits_vs_oracle_and_the_chunked_op(dtype, n_items):
+    """``TorchBackend.sampled_logits`` on CPU runs the fused op: output vs the float64 dot, and
+    output and both gradients vs the chunked torch Function (``backend.cpu_fused = false``), run
+    twice to the same bits; ids as int32 with repeats (one id's gradient sums many positions)."""
+    import torch
+
+    fused = _fused_backend(dtype)
+    chunked = get_backend("torch", dtype=dtype, cpu_fused=False)
+    rng = np.random.default_rng(11)
+    T, R, D = 1500, 7, 6  # T > one 1,024-row chunk of the chunked op
+    user = rng.standard_normal((T, D))
+    items = rng.standard_normal((n_items, D))
+    ids = rng.integers(0, min(n_items, 40), (T, R)).astype(np.int32)
+    cot = rng.standard_normal((T, R))
+    want = np.einsum("td,trd->tr", user, items[ids])
+    tol = 1e-13 if dtype == "float64" else 1e-6
+
+    def run(B):
+        u, it = (B.asarray(x.astype(dtype)).requires_grad_(True) for x in (user, items))
+        out = B.sampled_logits(u, it, B.asarray(ids))
+        return [out.detach()] + list(torch.autograd.grad(out, [u, it], B.asarray(cot.astype(dtype))))
+
+    first, again, reference = run(fused), run(fused), run(chunked)
+    assert rel_err(fused.to_numpy(first[0]), want) <= tol
+    for x, y, z in zip(first, again, reference):
+        assert torch.equal(x, y)
+        assert rel_err(x.numpy(), z.numpy()) <= 10 * tol
+
+
+def test_sampled_logits_fused_op_is_the_one_running(monkeypatch):
+    """On CPU in fp32 the backend calls the fused op; with ``cpu_fused=False``, under a bf16 view
+    or off the CPU it does not."""
+    import backends.cpu_fused as cpu_fused
+
+    _fused_backend()
+    calls = []
+    real = cpu_fused.sampled_logits
+    monkeypatch.setattr(cpu_fused, "sampled_logits", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(2)
+    user, items = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((9, 4)).astype(np.float32)
+    ids = rng.integers(0, 9, (5, 3)).astype(np.int32)
+    on, off = get_backend("torch"), get_backend("torch", cpu_fused=False)
+    for B, cast, used in ((on, None, True), (off, None, False), (on.with_precision("bf16"), "bfloat16", False)):
+        calls.clear()
+        u, it = B.asarray(user), B.asarray(items)
+        if cast:
+            u, it = B.cast(u, cast), B.cast(it, cast)
+        B.sampled_logits(u, it, B.asarray(ids))
+        assert bool(calls) == used
+
+
+def test_sampled_logits_fused_op_refuses_ids_out_of_range():
+    import torch
+
+    _fused_backend()
+    import backends.cpu_fused as cpu_fused
+
+    with pytest.raises(RuntimeError, match=r"ids must be in \[0, 9\)"):
+        cpu_fused.sampled_logits(torch.zeros(2, 3), torch.zeros(9, 3), torch.tensor([[0, 9], [1, 2]]))
