@@ -51,10 +51,15 @@ def backends_for(cfg, names=None) -> list:
     return out
 
 
-def kernel_variant(B, kernel: str):
+def kernel_variant(B, kernel: str, fused_ops: bool = True):
     """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` (a registered attention
-    kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``)."""
-    return B.with_hstu_kernel(kernel)
+    kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``). ``fused_ops =
+    False`` also turns off torch's fused C++ CPU ops (``backend.cpu_fused``: the sampled logits),
+    so the step is the array-API formulation both backends share."""
+    view = B.with_hstu_kernel(kernel)
+    if not fused_ops and getattr(view, "cpu_fused", False):
+        view.cpu_fused = False
+    return view
 
 
 def device_label(B) -> str:

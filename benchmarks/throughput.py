@@ -2,10 +2,11 @@
 tokens per second of each backend on each config of ``step.STEP_CONFIGS``.
 
 The step is the training step of ``step.prepare_step`` (forward, backward, AdamW) with each
-backend's default attention kernel (``kernel_used``: "best" on torch, which is the fused C++
-tiles on CPU; "jagged" on JAX), the tiled no-padding attention (``hstu_kernel = "tiled"``) and
-the padded reference attention on the same jagged batch ("jagged" runs whichever of the last two
-``Backend.tiles_pay_off`` picks).
+backend's defaults (kernel "default", ``kernel_used``: "best" on torch, which on CPU is the fused
+C++ tiles, with the fused sampled logits; "jagged" on JAX), and the tiled no-padding attention
+(``hstu_kernel = "tiled"``) and the padded reference attention on the same jagged batch in the
+formulation both backends share (torch's fused C++ ops off: ``backend.cpu_fused = false``;
+"jagged" runs whichever of those two ``Backend.tiles_pay_off`` picks).
 For each config and kernel the backends' steps ALTERNATE (``step.alternate_steps``: one warm-up
 step each, then ``repeats`` rounds, medians), so the torch / JAX ratio is not the load's drift
 between two measurements. Fields: ``tokens`` (real input tokens per step), ``seconds``, ``tokens_per_s``,
@@ -17,7 +18,7 @@ from __future__ import annotations
 from .common import backends_for, device_label, emit, kernel_variant, machine
 from .step import STEP_CONFIGS, alternate_steps, step_setup
 
-COLUMNS = ["backend", "device", "config", "kernel", "tokens", "seconds", "tokens_per_s", "vs_fastest"]
+COLUMNS = ["backend", "device", "config", "kernel", "kernel_used", "tokens", "seconds", "tokens_per_s", "vs_fastest"]
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, kernels=("default", "tiled", "reference"),
@@ -31,10 +32,12 @@ def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS,
     measured = backends_for(cfg, backends)
     for name, (step_cfg, batch) in setups.items():
         for kernel in kernels:
-            variants = {label: kernel_variant(B, kernel) for label, B in measured}
+            # "default": each backend as grf train runs it; the named kernels: the shared formulation
+            variants = {label: kernel_variant(B, kernel, fused_ops=kernel == "default") for label, B in measured}
             for label, r in alternate_steps(variants, step_cfg, batch, repeats=repeats).items():
                 rows.append({"bench": "throughput", "backend": label, "device": device_label(variants[label]),
                              "config": name, "kernel": kernel, "kernel_used": variants[label].hstu_kernel,
+                             "cpu_fused": bool(getattr(variants[label], "cpu_fused", False)),
                              "precision": cfg.backend.precision,
                              "tokens": r["tokens"], "sequences": r["sequences"], "seconds": r["seconds"],
                              "tokens_per_s": r["tokens"] / r["seconds"], **host})

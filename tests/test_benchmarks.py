@@ -52,6 +52,8 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     assert len(rows) == 6 and max(r["vs_fastest"] for r in rows) == 1.0  # 2 backends x 3 kernels
     used = {(r["backend"], r["kernel"]): r["kernel_used"] for r in rows}
     assert used[("torch", "default")] == "best" and used[("jax", "default")] == "jagged"
+    fused = {(r["backend"], r["kernel"]): r["cpu_fused"] for r in rows}
+    assert fused[("torch", "default")] and not fused[("torch", "tiled")] and not fused[("torch", "reference")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
