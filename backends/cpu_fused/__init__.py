@@ -45,9 +45,12 @@ def unavailable_reason() -> str | None:
         return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
     if shutil.which("ninja") is None:
         try:
-            import ninja  # noqa: F401  (the PyPI wheel puts the binary on PATH when installed)
+            import ninja
         except ImportError:
             return "torch.utils.cpp_extension needs ninja to build it (pip install ninja)"
+        # the PyPI wheel's binary is on PATH only in an activated environment: cpp_extension runs
+        # `ninja` by name, so put its directory there
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     return None
 
 
