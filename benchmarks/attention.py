@@ -88,11 +88,20 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
     return {"seconds": seconds, "memory_bytes": memory, "memory_kind": kind, "score_cells": int(cells)}
 
 
+def fused_available(B) -> bool:
+    """Torch's fused C++ CPU ops are on (``backend.cpu_fused``) and built here."""
+    if not getattr(B, "cpu_fused", False):
+        return False
+    from backends import cpu_fused
+
+    return cpu_fused.available(warn=False)
+
+
 def variants(label, B):
     yield "padded", kernel_variant(B, "reference")
     yield "jagged", kernel_variant(B, "tiled")
     yield "jagged+recompute", kernel_variant(B, "tiled").with_attention_recompute(True)
-    if label == "torch" and B.device_kind == "cpu":
+    if label == "torch" and B.device_kind == "cpu" and fused_available(B):
         yield "fused", kernel_variant(B, "cpu_fused")
     if label == "torch" and str(getattr(B, "torch_device", "cpu")).startswith("cuda"):
         from backends import get_backend

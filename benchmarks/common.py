@@ -56,10 +56,9 @@ def kernel_variant(B, kernel: str, fused_ops: bool = True):
     kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``). ``fused_ops =
     False`` also turns off torch's fused C++ CPU ops (``backend.cpu_fused``: the sampled logits),
     so the step is the array-API formulation both backends share."""
-    view = B.with_hstu_kernel(kernel)
-    if not fused_ops and getattr(view, "cpu_fused", False):
-        view.cpu_fused = False
-    return view
+    if not fused_ops and getattr(B, "cpu_fused", False):
+        B = B._view(cpu_fused=False)  # before the kernel is built: "best" reads it then
+    return B.with_hstu_kernel(kernel)
 
 
 def device_label(B) -> str:

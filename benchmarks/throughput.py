@@ -15,6 +15,7 @@ between two measurements. Fields: ``tokens`` (real input tokens per step), ``sec
 """
 from __future__ import annotations
 
+from .attention import fused_available
 from .common import backends_for, device_label, emit, kernel_variant, machine
 from .step import STEP_CONFIGS, alternate_steps, step_setup
 
@@ -37,7 +38,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS,
             for label, r in alternate_steps(variants, step_cfg, batch, repeats=repeats).items():
                 rows.append({"bench": "throughput", "backend": label, "device": device_label(variants[label]),
                              "config": name, "kernel": kernel, "kernel_used": variants[label].hstu_kernel,
-                             "cpu_fused": bool(getattr(variants[label], "cpu_fused", False)),
+                             "cpu_fused": fused_available(variants[label]),
                              "precision": cfg.backend.precision,
                              "tokens": r["tokens"], "sequences": r["sequences"], "seconds": r["seconds"],
                              "tokens_per_s": r["tokens"] / r["seconds"], **host})

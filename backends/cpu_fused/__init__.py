@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import shutil
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
@@ -40,7 +41,7 @@ def unavailable_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"it needs AVX2, torch reports CPU capability {capability}"
-    compiler = os.environ.get("CXX", "c++")
+    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # CXX may carry a launcher or flags
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
     if shutil.which("ninja") is None:
@@ -124,6 +125,7 @@ def _function():
             return out
 
         @staticmethod
+        @torch.autograd.function.once_differentiable
         def backward(ctx, dout):
             q, k, v, pos_w, ts_w = ctx.saved_tensors
             chunk_rows, pair_q, pair_k, pos, bucket = ctx.index
@@ -163,6 +165,7 @@ def _sampled_function():
             return load().sampled_forward(user, items, ids)
 
         @staticmethod
+        @torch.autograd.function.once_differentiable
         def backward(ctx, grad):
             user, items, ids = ctx.saved_tensors
             d_user, d_items = load().sampled_backward(grad, user, items, ids)

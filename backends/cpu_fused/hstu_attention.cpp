@@ -3,7 +3,8 @@
 // out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j, computed one (pair, head)
 // tile at a time: the tile's two products run on BLAS (sgemm_/dgemm_ of torch's own MKL, looked up
 // at load time), its bias, SiLU, mask and scale in one pass while the tile is in cache. Nothing of
-// size [H, P, C, C] is kept for backward: backward recomputes each tile (flash-attention style).
+// size [H, P, C, C] is kept for backward: backward recomputes each tile (flash-attention style);
+// it holds one [P, H, C, C] buffer of score gradients while it runs (pass A writes, pass B reads).
 //
 // Work split, no locks and no atomics:
 //   forward     one task per query chunk c (its pairs are contiguous: the plan sorts them by q chunk);
@@ -258,15 +259,16 @@ torch::Tensor forward_impl(const Plan& plan, const Inputs<T>& in, torch::Tensor 
 
 template <typename T>
 std::vector<torch::Tensor> backward_impl(const Plan& plan, const Inputs<T>& in, const torch::Tensor& dout,
-                                         torch::Tensor dq, torch::Tensor dk, torch::Tensor dv_t,
-                                         int64_t pair_rows) {
+                                         torch::Tensor dq, torch::Tensor dk, torch::Tensor dv_t) {
   const int64_t C = plan.C, H = in.H, dqk = in.dqk, dv = in.dv, nc = plan.len.size();
   const T inv_n = T(1) / T(in.norm_len);
   const T* g = dout.data_ptr<T>();
   const int64_t sg = dout.stride(0);
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv_t.data_ptr<T>();
-  // dZ tiles of every (pair, head), written by pass A, read by pass B
-  auto dz_buf = torch::empty({pair_rows, H, C, C}, dout.options());
+  // dZ tiles of every real (pair, head), written by pass A, read by pass B: the backward's one
+  // [P, H, C, C] buffer (alive during this call only; autograd keeps none)
+  const int64_t n_pairs = static_cast<int64_t>(plan.pq.size());
+  auto dz_buf = torch::empty({n_pairs, H, C, C}, dout.options());
   T* dz_all = dz_buf.data_ptr<T>();
   // the bias gradient of each key chunk's task, summed over chunks in chunk order afterwards:
   // the result does not depend on which thread ran which task (runs are bitwise reproducible)
@@ -289,7 +291,7 @@ std::vector<torch::Tensor> backward_impl(const Plan& plan, const Inputs<T>& in, 
         const T* kk = in.k + plan.start[kc] * in.sk + h * dqk;
         const T* vk = in.v + plan.start[kc] * in.sv + h * dv;
         const T* gc = g + plan.start[c] * sg + h * dv;
-        T* dz = dz_all + (plan.pair_id[p] * H + h) * C * C;
+        T* dz = dz_all + (p * H + h) * C * C;
         mm<T>(false, true, Mq, Mk, dqk, T(1), qc, in.sq, kk, in.sk, T(0), s.data(), C);   // scores
         mm<T>(false, true, Mq, Mk, dv, T(1), gc, sg, vk, in.sv, T(0), dp.data(), C);     // dP = dO V^T
         for (int64_t i = 0; i < Mq; ++i) {
@@ -345,7 +347,7 @@ std::vector<torch::Tensor> backward_impl(const Plan& plan, const Inputs<T>& in, 
       const int64_t kc = plan.pk[p], Mk = plan.len[kc];
       for (int64_t h = 0; h < H; ++h) {
         const T* kk = in.k + plan.start[kc] * in.sk + h * dqk;
-        const T* dz = dz_all + (plan.pair_id[p] * H + h) * C * C;
+        const T* dz = dz_all + (p * H + h) * C * C;
         T* dqc = dqp + plan.start[c] * (H * dqk) + h * dqk;
         mm<T>(false, false, Mq, dqk, Mk, T(1), dz, C, kk, in.sk, p == plan.q_first[c] ? T(0) : T(1), dqc, H * dqk);
       }
@@ -408,12 +410,11 @@ std::vector<torch::Tensor> hstu_backward(torch::Tensor dout, torch::Tensor q, to
   auto dv = torch::zeros({T_, v.size(1), v.size(2)}, v.options());
   auto pw = pos_w.contiguous(), tw = ts_w.contiguous();
   auto bk = bucket.numel() ? bucket.contiguous().to(torch::kInt32) : bucket;
-  const int64_t pair_rows = pair_q.size(0);
   if (q.scalar_type() == torch::kFloat) {
-    return backward_impl<float>(plan, inputs<float>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv, pair_rows);
+    return backward_impl<float>(plan, inputs<float>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv);
   }
   TORCH_CHECK(q.scalar_type() == torch::kDouble, "cpu_fused attention: float32 or float64 only");
-  return backward_impl<double>(plan, inputs<double>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv, pair_rows);
+  return backward_impl<double>(plan, inputs<double>(q, k, v, pw, tw, bk, norm_len), g, dq, dk, dv);
 }
 
 // ----------------------------------------------------------------------------- sampled logits
@@ -532,9 +533,12 @@ std::vector<torch::Tensor> sampled_backward(torch::Tensor grad, torch::Tensor us
 bool blas_available() { return load_blas(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &hstu_forward, "fused HSTU tile attention, forward");
-  m.def("backward", &hstu_backward, "fused HSTU tile attention, backward");
-  m.def("sampled_forward", &sampled_forward, "sampled logits, forward");
-  m.def("sampled_backward", &sampled_backward, "sampled logits, backward");
+  // the GIL is released: no Python object is touched, and the prefetch / sparse workers
+  // (gr_functional/data/prefetch.py) overlap the step only while it is free
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("forward", &hstu_forward, "fused HSTU tile attention, forward", nogil);
+  m.def("backward", &hstu_backward, "fused HSTU tile attention, backward", nogil);
+  m.def("sampled_forward", &sampled_forward, "sampled logits, forward", nogil);
+  m.def("sampled_backward", &sampled_backward, "sampled logits, backward", nogil);
   m.def("blas_available", &blas_available, "torch's sgemm_/dgemm_ found");
 }
