@@ -311,18 +311,12 @@ register_kernel("cpu_fused", factory=_cpu_fused_factory, backends=("torch",), pr
 
 def _best_factory(B):
     """cpu_fused where it runs (CPU, fp32/fp64 compute, a tile plan, the extension built, and
-    ``backend.cpu_fused`` on), else jagged; a build that fails is reported as a warning with the reason."""
-    import warnings
+    ``backend.cpu_fused`` on), else jagged; a build that fails is reported once, as a warning with
+    the reason (``cpu_fused.available``, shared with the fused sampled logits)."""
+    from . import cpu_fused
 
-    from npu_ops import UnsupportedOnBackend
-
-    fused = None
-    if B.device_kind == "cpu" and getattr(B, "cpu_fused", True):
-        try:
-            fused = _cpu_fused_factory(B)
-        except (UnsupportedOnBackend, ImportError) as exc:
-            warnings.warn(f"backend.hstu_kernel='best' runs 'jagged': {exc} (backend.cpu_fused = false "
-                          f"silences this)", stacklevel=2)
+    on = B.device_kind == "cpu" and getattr(B, "cpu_fused", True) and cpu_fused.available()
+    fused = cpu_fused.attention if on else None
 
     def best(B, q, k, v, layout, norm_len, bias):
         if fused is not None and layout.tiles is not None and B._dtype_name_of(q) in ("float32", "float64"):

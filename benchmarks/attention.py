@@ -39,7 +39,7 @@ import numpy as np
 from gr_functional import flops, model
 from gr_functional.config import ModelConfig
 
-from .common import (backends_for, device_label, emit, kernel_variant, kuairand_lengths, machine,
+from .common import (backends_for, device_label, emit, fused_available, kernel_variant, kuairand_lengths, machine,
                      median_seconds, synthetic_batch)
 
 TRUNCATIONS = (256, 1024, 4096)
@@ -86,15 +86,6 @@ def measure(B, mc, lengths, variant: str, repeats: int = 3) -> dict:
     else:
         cells = plan.num_pairs() * plan.tile ** 2
     return {"seconds": seconds, "memory_bytes": memory, "memory_kind": kind, "score_cells": int(cells)}
-
-
-def fused_available(B) -> bool:
-    """Torch's fused C++ CPU ops are on (``backend.cpu_fused``) and built here."""
-    if not getattr(B, "cpu_fused", False):
-        return False
-    from backends import cpu_fused
-
-    return cpu_fused.available(warn=False)
 
 
 def variants(label, B):

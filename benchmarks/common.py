@@ -51,6 +51,15 @@ def backends_for(cfg, names=None) -> list:
     return out
 
 
+def fused_available(B) -> bool:
+    """Torch's fused C++ CPU ops are on in ``B`` (``backend.cpu_fused``) and built here."""
+    if not getattr(B, "cpu_fused", False):
+        return False
+    from backends import cpu_fused
+
+    return cpu_fused.available(warn=False)
+
+
 def kernel_variant(B, kernel: str, fused_ops: bool = True):
     """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` (a registered attention
     kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``). ``fused_ops =

@@ -15,8 +15,7 @@ between two measurements. Fields: ``tokens`` (real input tokens per step), ``sec
 """
 from __future__ import annotations
 
-from .attention import fused_available
-from .common import backends_for, device_label, emit, kernel_variant, machine
+from .common import backends_for, device_label, emit, fused_available, kernel_variant, machine
 from .step import STEP_CONFIGS, alternate_steps, step_setup
 
 COLUMNS = ["backend", "device", "config", "kernel", "kernel_used", "tokens", "seconds", "tokens_per_s", "vs_fastest"]
