@@ -523,7 +523,8 @@ class Backend:
         """
         if self._attention is None:  # a subclass that never called use_hstu_kernel
             self.use_hstu_kernel()
-        if not self.attention_recompute:
+        recomputes = getattr(self._attention, "recomputes", None)  # a kernel that already does (kernels.py)
+        if not self.attention_recompute or (recomputes is not None and recomputes(self, q, layout)):
             return self._attention(self, q, k, v, layout, norm_len, bias)
 
         memo = bias.memo if self.checkpoint_keeps_memo else None

@@ -34,6 +34,10 @@ instead, which raises ``npu_ops.UnsupportedOnBackend`` / ``BackendUnavailable`` 
 when the kernel cannot run here. tests/differential runs every registered kernel on every
 backend of ``GRF_TEST_BACKENDS`` against the padded reference (outputs and gradients).
 
+A kernel whose backward already recomputes the scores from q, k, v (keeping nothing else for
+backward) may say so with an attribute ``fn.recomputes(B, q, layout) -> bool``: where it returns
+true, ``backend.attention_recompute`` runs the kernel as it is instead of recomputing it once more.
+
 This module imports no array library: ``gr_functional.config`` imports it (lazily) to check a
 config, and factories import their vendor code only when a backend is built.
 """
@@ -316,13 +320,16 @@ def _best_factory(B):
     from . import cpu_fused
 
     on = B.device_kind == "cpu" and getattr(B, "cpu_fused", True) and cpu_fused.available()
-    fused = cpu_fused.attention if on else None
+
+    def runs_fused(B, q, layout) -> bool:
+        return on and layout.tiles is not None and B._dtype_name_of(q) in ("float32", "float64")
 
     def best(B, q, k, v, layout, norm_len, bias):
-        if fused is not None and layout.tiles is not None and B._dtype_name_of(q) in ("float32", "float64"):
-            return fused(B, q, k, v, layout, norm_len, bias)
+        if runs_fused(B, q, layout):
+            return cpu_fused.attention(B, q, k, v, layout, norm_len, bias)
         return jagged(B, q, k, v, layout, norm_len, bias)
 
+    best.recomputes = runs_fused
     return best
 
 

@@ -29,6 +29,7 @@ import shlex
 import shutil
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
+_NAME = "grf_hstu_cpu_fused"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
@@ -55,6 +56,37 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _torch_library() -> str:
+    """Path of torch's CPU library, whose MKL the ops call (``""`` where it is not found)."""
+    import torch
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    return path if os.path.exists(path) else ""
+
+
+# A build takes about a minute on 2 busy cores; a lock this old was left by a build that was
+# killed (torch's FileBaton would make every later build wait on it forever).
+_STALE_LOCK_S = 30 * 60
+
+
+def _remove_stale_lock(cpp_extension) -> None:
+    import time
+    import warnings
+
+    try:  # a private helper of torch's: where it moves, the lock is left alone
+        lock = os.path.join(cpp_extension._get_build_directory(_NAME, verbose=False), "lock")
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        warnings.warn(f"cpu_fused ops: removing {lock}, left {age / 60:.0f} min ago by a build that did "
+                      f"not finish", stacklevel=3)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
+
+
 _BUILT: dict = {}  # "module" or "error": the one build attempt of this process
 
 
@@ -71,16 +103,17 @@ def load():
         if reason is None:
             from torch.utils import cpp_extension
 
+            _remove_stale_lock(cpp_extension)
             try:
-                module = cpp_extension.load(name="grf_hstu_cpu_fused", sources=[_SOURCE], extra_cflags=_FLAGS,
+                module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS,
                                             extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
                 reason = f"building {_SOURCE} failed: {exc}"
             else:
-                if module.blas_available():
+                reason = module.bind_blas(_torch_library()) or None
+                if reason is None:
                     _BUILT["module"] = module
                     return module
-                reason = "torch's BLAS symbols sgemm_/dgemm_ are not exported by this torch build"
         _BUILT["error"] = f"cpu_fused ops: {reason}"
     raise UnsupportedOnBackend(_BUILT["error"])
 
@@ -203,6 +236,10 @@ def attention(B, q, k, v, layout, norm_len, bias):
     index = (plan.chunk_rows, plan.pair_q, plan.pair_k, layout.pos, bucket)
     return _fused_tiles()(_rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v), pos_w, ts_w, index,
                                 int(norm_len))
+
+
+# its backward recomputes the tiles from q, k, v: backend.attention_recompute has nothing to add
+attention.recomputes = lambda B, q, layout: True
 
 
 def factory(B):

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace {
@@ -33,13 +34,7 @@ using gemm_d = void (*)(const char*, const char*, const int*, const int*, const 
 gemm_f sgemm_ptr = nullptr;
 gemm_d dgemm_ptr = nullptr;
 
-bool load_blas() {
-  if (sgemm_ptr == nullptr) {
-    sgemm_ptr = reinterpret_cast<gemm_f>(dlsym(RTLD_DEFAULT, "sgemm_"));
-    dgemm_ptr = reinterpret_cast<gemm_d>(dlsym(RTLD_DEFAULT, "dgemm_"));
-  }
-  return sgemm_ptr != nullptr && dgemm_ptr != nullptr;
-}
+bool load_blas() { return sgemm_ptr != nullptr && dgemm_ptr != nullptr; }
 
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, through column-major BLAS (C^T = op(B)^T op(A)^T).
 template <typename T>
@@ -52,6 +47,33 @@ void mm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, con
   } else {
     dgemm_ptr(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
   }
+}
+
+// Bind sgemm_/dgemm_ from torch's own library (its handle is searched first, so another BLAS
+// loaded earlier into the process, e.g. an ILP64 one exporting the same names, is not picked up;
+// RTLD_DEFAULT where that library is not found) and check them on a small product both ways.
+// Returns "" or why not.
+std::string bind_blas(const std::string& torch_library) {
+  void* handle = torch_library.empty() ? nullptr : dlopen(torch_library.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+  void* scope = handle != nullptr ? handle : RTLD_DEFAULT;
+  sgemm_ptr = reinterpret_cast<gemm_f>(dlsym(scope, "sgemm_"));
+  dgemm_ptr = reinterpret_cast<gemm_d>(dlsym(scope, "dgemm_"));
+  if (!load_blas()) return "torch's BLAS symbols sgemm_/dgemm_ are not exported by this torch build";
+  const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {7, 8, 9, 10, 11, 12};  // [2, 3] x [3, 2]
+  const double ad[6] = {1, 2, 3, 4, 5, 6}, bd[6] = {7, 8, 9, 10, 11, 12};
+  float c[4] = {0, 0, 0, 0}, ct[4] = {0, 0, 0, 0};
+  double cd[4] = {0, 0, 0, 0};
+  mm<float>(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
+  mm<float>(false, true, 2, 2, 3, 1.f, a, 3, a, 3, 0.f, ct, 2);  // a a^T
+  mm<double>(false, false, 2, 2, 3, 1., ad, 3, bd, 2, 0., cd, 2);
+  const bool ok = c[0] == 58 && c[1] == 64 && c[2] == 139 && c[3] == 154 && ct[0] == 14 && ct[1] == 32 &&
+                  ct[2] == 32 && ct[3] == 77 && cd[0] == 58 && cd[1] == 64 && cd[2] == 139 && cd[3] == 154;
+  if (!ok) {
+    sgemm_ptr = nullptr;
+    dgemm_ptr = nullptr;
+    return "the sgemm_/dgemm_ found give wrong products (an ILP64 or otherwise incompatible BLAS?)";
+  }
+  return "";
 }
 
 // exp for the tile loops: Cephes' expf polynomial with the exponent set by bit arithmetic, written
@@ -374,7 +396,7 @@ std::vector<torch::Tensor> backward_impl(const Plan& plan, const Inputs<T>& in, 
 torch::Tensor hstu_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor chunk_rows,
                            torch::Tensor pair_q, torch::Tensor pair_k, torch::Tensor pos, torch::Tensor pos_w,
                            torch::Tensor ts_w, torch::Tensor bucket, int64_t norm_len) {
-  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS (sgemm_/dgemm_) is not loaded");
+  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS is not bound (bind_blas)");
   check(q, "q");
   check(k, "k");
   check(v, "v");
@@ -397,7 +419,7 @@ std::vector<torch::Tensor> hstu_backward(torch::Tensor dout, torch::Tensor q, to
                                          torch::Tensor chunk_rows, torch::Tensor pair_q, torch::Tensor pair_k,
                                          torch::Tensor pos, torch::Tensor pos_w, torch::Tensor ts_w,
                                          torch::Tensor bucket, int64_t norm_len) {
-  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS (sgemm_/dgemm_) is not loaded");
+  TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS is not bound (bind_blas)");
   check(q, "q");
   check(k, "k");
   check(v, "v");
@@ -530,7 +552,6 @@ std::vector<torch::Tensor> sampled_backward(torch::Tensor grad, torch::Tensor us
   return {du, di};
 }
 
-bool blas_available() { return load_blas(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: no Python object is touched, and the prefetch / sparse workers
@@ -540,5 +561,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &hstu_backward, "fused HSTU tile attention, backward", nogil);
   m.def("sampled_forward", &sampled_forward, "sampled logits, forward", nogil);
   m.def("sampled_backward", &sampled_backward, "sampled logits, backward", nogil);
-  m.def("blas_available", &blas_available, "torch's sgemm_/dgemm_ found");
+  m.def("bind_blas", &bind_blas, "bind torch's sgemm_/dgemm_ from the given library; '' or why not");
 }

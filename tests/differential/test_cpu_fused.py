@@ -175,3 +175,33 @@ def test_sampled_logits_fused_op_refuses_ids_out_of_range():
 
     with pytest.raises(RuntimeError, match=r"ids must be in \[0, 9\)"):
         cpu_fused.sampled_logits(torch.zeros(2, 3), torch.zeros(9, 3), torch.tensor([[0, 9], [1, 2]]))
+
+
+def test_blas_is_bound_from_torchs_library_and_checked():
+    """sgemm_/dgemm_ come from libtorch_cpu's handle (not whichever BLAS the process loaded first)
+    and pass a product check; "" or a missing path falls back to the process' global scope."""
+    from backends import cpu_fused
+
+    _fused_backend()
+    module = cpu_fused.load()
+    assert cpu_fused._torch_library().endswith("libtorch_cpu.so")
+    assert module.bind_blas("") == ""
+    assert module.bind_blas("/nonexistent/libtorch_cpu.so") == ""
+    assert module.bind_blas(cpu_fused._torch_library()) == ""
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's lock file, on which every later build would wait."""
+    from torch.utils import cpp_extension
+
+    from backends import cpu_fused
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = os.path.join(cpp_extension._get_build_directory(cpu_fused._NAME, verbose=False), "lock")
+    open(lock, "w").close()
+    cpu_fused._remove_stale_lock(cpp_extension)
+    assert os.path.exists(lock)  # a build may be running
+    os.utime(lock, (0, os.path.getmtime(lock) - cpu_fused._STALE_LOCK_S - 60))
+    with pytest.warns(UserWarning, match="did not finish"):
+        cpu_fused._remove_stale_lock(cpp_extension)
+    assert not os.path.exists(lock)

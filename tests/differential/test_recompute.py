@@ -57,6 +57,29 @@ def test_recompute_keeps_less_for_backward_on_torch():
     assert kept["true"] < kept["false"]
 
 
+@pytest.mark.parametrize("kernel", ["cpu_fused", "best"])
+def test_recompute_adds_nothing_to_a_kernel_that_recomputes(kernel, monkeypatch):
+    """The fused kernel's backward already recomputes its tiles from q, k, v: with
+    attention_recompute it runs once per layer and step (not again under a checkpoint) and the
+    step is bitwise the one without."""
+    from backends import cpu_fused
+
+    from .test_cpu_fused import _fused_backend
+
+    _fused_backend()  # builds the extension, or skips where it cannot be built (never under CI)
+    calls = []
+    tiles = cpu_fused._fused_tiles()
+    monkeypatch.setitem(cpu_fused._APPLY, "tiles", lambda *a: calls.append(1) or tiles(*a))
+    base = ["backend.name=torch", f"backend.hstu_kernel={kernel}"]
+    _, _, _, loss, grads = _loss_and_grads(base)
+    assert len(calls) == 2  # model.num_blocks
+    B, _, _, loss_rc, grads_rc = _loss_and_grads(base + ["backend.attention_recompute=true"])
+    assert B.attention_recompute and len(calls) == 4
+    assert loss_rc == loss
+    for path, g in grads.items():
+        np.testing.assert_array_equal(grads_rc[path], g, err_msg=str(path))
+
+
 _FLAGS_PROBE = """
 import os
 from gr_functional.config import load_config
