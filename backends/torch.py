@@ -214,9 +214,15 @@ class TorchBackend(Backend):
         return _chunked_sampled_logits(self._torch)(user, items, ids, dense)
 
     def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
-        """Row-chunked like ``sampled_logits`` (``_chunked_sampled_logits_16bit``): each chunk's
-        ``[c, R, D]`` rows are rounded to 16 bits with their positions' scales while in cache, and
-        backward recomputes them; nothing ``[T, R, D]`` is ever whole."""
+        """On CPU in fp32: the fused C++ op (``cpu_fused.sampled_logits_16bit``: each named row
+        rounded in cache and dotted with its position's user). Otherwise row-chunked like
+        ``sampled_logits`` (``_chunked_sampled_logits_16bit``): each chunk's ``[c, R, D]`` rows are
+        rounded to 16 bits with their positions' scales while in cache, and backward recomputes
+        them; nothing ``[T, R, D]`` is ever whole."""
+        if user.dtype == self._torch.float32 and self._fused_ops_take(user, items, scale):
+            from . import cpu_fused
+
+            return cpu_fused.sampled_logits_16bit(user, items, ids, scale, precision)
         low = self._torch.float16 if precision == "fp16" else self._torch.bfloat16
         return _chunked_sampled_logits_16bit(self._torch)(user, items, ids.long(), scale, low)
 

@@ -1,6 +1,7 @@
 """The fused CPU ops of the torch backend: the HSTU attention (``backend.hstu_kernel =
 "cpu_fused"``, what the torch default "best" runs on CPU) and the sampled logits of the loss
-(``TorchBackend.sampled_logits`` on CPU in fp32/fp64); ``backend.cpu_fused = false`` turns both off.
+(``TorchBackend.sampled_logits`` on CPU in fp32/fp64, and ``sampled_logits_16bit`` with 16-bit
+negatives in fp32); ``backend.cpu_fused = false`` turns them all off.
 
 The tiled kernel (``Backend.hstu_attention_tiled``) runs each step of a tile as its own torch op:
 gathers of q/k/v chunks into ``[H, P, C, d]`` copies, the score product, the bias gather and add,
@@ -30,7 +31,7 @@ import shutil
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
 _NAME = "grf_hstu_cpu_fused"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def unavailable_reason() -> str | None:
@@ -92,7 +93,7 @@ _BUILT: dict = {}  # "module" or "error": the one build attempt of this process
 
 def load():
     """The built extension module (``forward``, ``backward``, ``sampled_forward``,
-    ``sampled_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
+    ``sampled_backward``, ``sampled16_forward``, ``sampled16_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
     torch's BLAS is not found. Built (or refused) once per process."""
     from npu_ops import UnsupportedOnBackend
 
@@ -217,6 +218,37 @@ def sampled_logits(user, items, ids):
     id) straight from the item rows, nothing ``[T, N]`` or ``[T, R, D]`` written; backward sums
     each id's gradient in one task (deterministic, no scatter conflicts)."""
     return _fused_sampled()(user, items, ids)
+
+
+def _sampled16_function():
+    import torch
+
+    class FusedSampledLogits16(torch.autograd.Function):
+        """out[T, R] of user[T, D], items[N, D], ids[T, R], scale[T] with 16-bit rounded rows."""
+
+        @staticmethod
+        def forward(ctx, user, items, ids, scale, half):
+            ctx.save_for_backward(user, items, ids, scale)
+            ctx.half = half
+            return load().sampled16_forward(user, items, ids, scale, half)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            user, items, ids, scale = ctx.saved_tensors
+            d_user, d_items = load().sampled16_backward(grad, user, items, ids, scale, ctx.half)
+            return d_user, d_items, None, None, None
+
+    return FusedSampledLogits16
+
+
+def sampled_logits_16bit(user, items, ids, scale, precision: str):
+    """``Backend.sampled_logits_16bit`` on float32 CPU tensors: user[T, D], items[N, D], ids[T, R]
+    integer, scale[T] (> 0), precision "fp16" | "bf16" -> [T, R]. Each named row is rounded to 16
+    bits with its position's scale while in cache (fp16 by the CPU's F16C conversions, bf16 by
+    rounding to its upper 16 bits; both to nearest even, as torch's casts) and dotted with the
+    user; backward rounds again for ``d user`` and sums ``d items`` by id, straight through."""
+    return _eager("sampled16", _sampled16_function)(user, items, ids, scale.to(user.dtype), precision == "fp16")
 
 
 def _rows_contiguous(x):

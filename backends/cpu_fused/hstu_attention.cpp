@@ -13,6 +13,7 @@
 // Tasks are taken from a shared counter (largest first); every output element is written by one
 // task in a fixed order, so results do not depend on the thread count or the schedule.
 #include <torch/extension.h>
+#include <immintrin.h>
 #include <ATen/Parallel.h>
 
 #include <dlfcn.h>
@@ -466,21 +467,11 @@ void sampled_forward_impl(const T* u, const T* items, const int64_t* ids, T* out
   });
 }
 
+// d_items[i] = sum over the (t, r) with ids[t, r] = i of g[t, r] user[t]: the entries grouped by id
+// (a counting sort), one task per id, so no two tasks write one row and the sum order is fixed.
 template <typename T>
-void sampled_backward_impl(const T* g, const T* u, const T* items, const int64_t* ids, T* du, T* di, int64_t n_pos,
-                           int64_t R, int64_t D, int64_t N) {
-  at::parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* dut = du + t * D;
-      std::fill(dut, dut + D, T(0));
-      for (int64_t r = 0; r < R; ++r) {
-        const T* row = items + ids[t * R + r] * D;
-        const T gv = g[t * R + r];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
-      }
-    }
-  });
+void items_grad_by_id(const T* g, const T* u, const int64_t* ids, T* di, int64_t n_pos, int64_t R, int64_t D,
+                      int64_t N) {
   const int64_t E = n_pos * R;
   std::vector<int64_t> first(N + 1, 0), order(E);
   for (int64_t e = 0; e < E; ++e) first[ids[e] + 1] += 1;
@@ -499,6 +490,72 @@ void sampled_backward_impl(const T* g, const T* u, const T* items, const int64_t
         for (int64_t d = 0; d < D; ++d) dii[d] += gv * ut[d];
       }
     }
+  });
+}
+
+template <typename T>
+void sampled_backward_impl(const T* g, const T* u, const T* items, const int64_t* ids, T* du, T* di, int64_t n_pos,
+                           int64_t R, int64_t D, int64_t N) {
+  at::parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* dut = du + t * D;
+      std::fill(dut, dut + D, T(0));
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = items + ids[t * R + r] * D;
+        const T gv = g[t * R + r];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
+      }
+    }
+  });
+  items_grad_by_id(g, u, ids, di, n_pos, R, D, N);
+}
+
+// ----------------------------------------------------------------------------- 16-bit negatives
+// out[D] = cast(cast(row / s, 16-bit), float) * s, rounded to nearest even (Backend.quantize_16bit):
+// fp16 with F16C's conversions (IEEE, subnormals included), bf16 by keeping the upper 16 bits.
+void round_row_16(const float* row, float s, bool half, int64_t D, float* out) {
+  int64_t d = 0;
+  if (half) {
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; d + 8 <= D; d += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_div_ps(_mm256_loadu_ps(row + d), vs), _MM_FROUND_TO_NEAREST_INT);
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
+    }
+    for (; d < D; ++d) out[d] = _cvtsh_ss(_cvtss_sh(row[d] / s, _MM_FROUND_TO_NEAREST_INT)) * s;
+    return;
+  }
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), upper = _mm256_set1_epi32(0xFFFF0000);
+  for (; d + 8 <= D; d += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(row + d), vs));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    const __m256i kept = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, bias), odd), upper);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_castsi256_ps(kept), vs));
+  }
+  for (; d < D; ++d) {
+    uint32_t bits;
+    const float x = row[d] / s;
+    std::memcpy(&bits, &x, 4);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;  // finite inputs: no NaN case
+    float y;
+    std::memcpy(&y, &bits, 4);
+    out[d] = y * s;
+  }
+}
+
+// One pass of the 16-bit logits over positions: for each (t, r) the rounded row (scale[t]) is
+// handed to visit(t, r, rounded_row), fwd taking dots and bwd summing d_user.
+template <typename Visit>
+void for_rounded_rows(const float* items, const int64_t* ids, const float* scale, bool half, int64_t n_pos,
+                      int64_t R, int64_t D, Visit visit) {
+  at::parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(D);
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < R; ++r) {
+        round_row_16(items + ids[t * R + r] * D, scale[t], half, D, buf.data());
+        visit(t, r, buf.data());
+      }
   });
 }
 
@@ -553,6 +610,56 @@ std::vector<torch::Tensor> sampled_backward(torch::Tensor grad, torch::Tensor us
 }
 
 
+// The sampled logits with 16-bit negatives (Backend.sampled_logits_16bit): user[T, D], items[N, D],
+// scale[T] float32, ids[T, R] integer, half (fp16) or bf16 -> out[T, R]; the rows rounded in cache.
+torch::Tensor sampled16_forward(torch::Tensor user, torch::Tensor items, torch::Tensor ids, torch::Tensor scale,
+                                bool half) {
+  auto u = user.contiguous(), it = items.contiguous(), sc = scale.contiguous();
+  TORCH_CHECK(u.dim() == 2 && it.dim() == 2 && ids.dim() == 2 && u.size(1) == it.size(1) && ids.size(0) == u.size(0) &&
+                  sc.dim() == 1 && sc.size(0) == u.size(0),
+              "cpu_fused 16-bit sampled logits: user[T, D], items[N, D], ids[T, R], scale[T]");
+  TORCH_CHECK(u.scalar_type() == torch::kFloat && it.scalar_type() == torch::kFloat && sc.scalar_type() == torch::kFloat,
+              "cpu_fused 16-bit sampled logits: float32 only");
+  auto id = checked_ids(ids, it.size(0));
+  auto out = torch::empty({id.size(0), id.size(1)}, u.options());
+  const float* up = u.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t R = id.size(1), D = u.size(1);
+  for_rounded_rows(it.data_ptr<float>(), id.data_ptr<int64_t>(), sc.data_ptr<float>(), half, id.size(0), R, D,
+                   [&](int64_t t, int64_t r, const float* row) {
+                     const float* ut = up + t * D;
+                     float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                     for (int64_t d = 0; d < D; ++d) acc += ut[d] * row[d];
+                     op[t * R + r] = acc;
+                   });
+  return out;
+}
+
+// Its gradients: d_user through the rounded rows, d_items straight through the rounding (the
+// fp32 master rows learn): grad[T, R] -> (d_user[T, D], d_items[N, D]).
+std::vector<torch::Tensor> sampled16_backward(torch::Tensor grad, torch::Tensor user, torch::Tensor items,
+                                              torch::Tensor ids, torch::Tensor scale, bool half) {
+  auto u = user.contiguous(), it = items.contiguous(), sc = scale.contiguous(), g = grad.contiguous().to(torch::kFloat);
+  TORCH_CHECK(u.scalar_type() == torch::kFloat && it.scalar_type() == torch::kFloat && sc.scalar_type() == torch::kFloat,
+              "cpu_fused 16-bit sampled logits: float32 only");
+  auto id = checked_ids(ids, it.size(0));
+  auto du = torch::zeros_like(u), di = torch::empty_like(it);
+  const float* gp = g.data_ptr<float>();
+  float* dup = du.data_ptr<float>();
+  const int64_t R = id.size(1), D = u.size(1);
+  for_rounded_rows(it.data_ptr<float>(), id.data_ptr<int64_t>(), sc.data_ptr<float>(), half, id.size(0), R, D,
+                   [&](int64_t t, int64_t r, const float* row) {
+                     float* dut = dup + t * D;
+                     const float gv = gp[t * R + r];
+#pragma omp simd
+                     for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
+                   });
+  items_grad_by_id<float>(gp, u.data_ptr<float>(), id.data_ptr<int64_t>(), di.data_ptr<float>(), id.size(0), R, D,
+                          it.size(0));
+  return {du, di};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: no Python object is touched, and the prefetch / sparse workers
   // (gr_functional/data/prefetch.py) overlap the step only while it is free
@@ -561,5 +668,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &hstu_backward, "fused HSTU tile attention, backward", nogil);
   m.def("sampled_forward", &sampled_forward, "sampled logits, forward", nogil);
   m.def("sampled_backward", &sampled_backward, "sampled logits, backward", nogil);
+  m.def("sampled16_forward", &sampled16_forward, "sampled logits with 16-bit negatives, forward", nogil);
+  m.def("sampled16_backward", &sampled16_backward, "sampled logits with 16-bit negatives, backward", nogil);
   m.def("bind_blas", &bind_blas, "bind torch's sgemm_/dgemm_ from the given library; '' or why not");
 }

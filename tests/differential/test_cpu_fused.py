@@ -177,6 +177,48 @@ def test_sampled_logits_fused_op_refuses_ids_out_of_range():
         cpu_fused.sampled_logits(torch.zeros(2, 3), torch.zeros(9, 3), torch.tensor([[0, 9], [1, 2]]))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_sampled_logits_round_exactly_as_the_oracle(precision, monkeypatch):
+    """The fused 16-bit op (fp32 on CPU) rounds every value as ml_dtypes does, to the bit: one-hot
+    users make each logit one rounded value; magnitudes over 12 decades reach fp16's subnormals
+    and its flush to zero. Gradients equal the chunked op's (cpu_fused off)."""
+    import torch
+
+    from backends import cpu_fused
+
+    B = _fused_backend()
+    calls = []
+    real = cpu_fused.sampled_logits_16bit
+    monkeypatch.setattr(cpu_fused, "sampled_logits_16bit", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(5)
+    T, N, R, D = 300, 40, 9, 13  # D: one 8-wide F16C block and a scalar tail
+    items = (rng.choice([-1, 1], (N, D)) * 10.0 ** rng.uniform(-12, 0, (N, D))).astype(np.float32)
+    ids = rng.integers(0, N, (T, R)).astype(np.int32)
+    scale = rng.uniform(0.5, 3, T).astype(np.float32)
+    hot = rng.integers(0, D, T)
+    user = np.eye(D, dtype=np.float32)[hot]
+    got = B.to_numpy(B.sampled_logits_16bit(*(B.asarray(a) for a in (user, items, ids, scale)), precision))
+    assert calls
+    divided = (items[ids] / scale[:, None, None]).astype(np.float32)            # fp32 division, as the op
+    rows = oracle.round_16bit(divided, np.float32(1), precision).astype(np.float32) * scale[:, None, None]
+    np.testing.assert_array_equal(got, rows[np.arange(T), :, hot])
+    if precision == "fp16":  # below fp16's smallest subnormal: zero (bf16 keeps fp32's range)
+        assert (got == 0).any() and (got != 0).any()
+
+    user = rng.standard_normal((T, D)).astype(np.float32)
+    cot = rng.standard_normal((T, R)).astype(np.float32)
+
+    def run(backend):
+        u, it = (torch.tensor(x, requires_grad=True) for x in (user, items))
+        out = backend.sampled_logits_16bit(u, it, torch.tensor(ids), torch.tensor(scale), precision)
+        return [out.detach()] + list(torch.autograd.grad(out, [u, it], torch.tensor(cot)))
+
+    fused, again, chunked = run(B), run(B), run(get_backend("torch", cpu_fused=False))
+    for x, y, z in zip(fused, again, chunked):
+        assert torch.equal(x, y)
+        assert rel_err(x.numpy(), z.numpy()) <= 1e-6
+
+
 def test_blas_is_bound_from_torchs_library_and_checked():
     """sgemm_/dgemm_ come from libtorch_cpu's handle (not whichever BLAS the process loaded first)
     and pass a product check; "" or a missing path falls back to the process' global scope."""

@@ -315,14 +315,16 @@ def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, ba
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng, precision):
-    """torch's row-chunked 16-bit op vs the reference formulation (Backend.sampled_logits_16bit)
-    over several chunks, repeated ids, fp32 and bf16 inputs: outputs and gradients."""
+@pytest.mark.parametrize("cpu_fused", [False, True])
+def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng, precision, cpu_fused):
+    """torch's row-chunked 16-bit op (cpu_fused off; with it on, fp32 runs the fused C++ op and bf16
+    inputs the chunked one) vs the reference formulation (Backend.sampled_logits_16bit) over
+    several chunks, repeated ids, fp32 and bf16 inputs: outputs and gradients."""
     import torch
 
     from backends import torch as torch_backend
 
-    B = get_backend("torch")
+    B = get_backend("torch", cpu_fused=cpu_fused)
     T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 5000, 16, 8
     user = rng.standard_normal((T, D)).astype(np.float32)
     items = (rng.standard_normal((N, D)) * 3).astype(np.float32)
