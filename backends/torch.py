@@ -228,8 +228,14 @@ class TorchBackend(Backend):
 
     def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
                          masked_logit: float):
-        """Row-chunked (``_chunked_shared_logsumexp``): the ``[T, R]`` logits and their gradient
-        exist one ``[chunk, R]`` block at a time, in cache, instead of as ~6 whole-matrix passes."""
+        """On CPU in fp32/fp64: the fused C++ op (``cpu_fused.shared_logsumexp``: each block's logits,
+        mask and logsumexp in one pass in cache). Otherwise row-chunked
+        (``_chunked_shared_logsumexp``): the ``[T, R]`` logits and their gradient exist one
+        ``[chunk, R]`` block at a time, in cache, instead of as ~6 whole-matrix passes."""
+        if self._fused_ops_take(user, neg_items, pos, neg_bias):
+            from . import cpu_fused
+
+            return cpu_fused.shared_logsumexp(user, neg_items, neg_ids, targets, pos, neg_bias, scale, masked_logit)
         return _chunked_shared_logsumexp(self._torch)(user, neg_items, neg_ids.long(), targets.long(), pos,
                                                       neg_bias, float(scale), float(masked_logit))
 

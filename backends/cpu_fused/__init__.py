@@ -1,7 +1,7 @@
 """The fused CPU ops of the torch backend: the HSTU attention (``backend.hstu_kernel =
 "cpu_fused"``, what the torch default "best" runs on CPU) and the sampled logits of the loss
-(``TorchBackend.sampled_logits`` on CPU in fp32/fp64, and ``sampled_logits_16bit`` with 16-bit
-negatives in fp32); ``backend.cpu_fused = false`` turns them all off.
+(``TorchBackend.sampled_logits`` on CPU in fp32/fp64, ``sampled_logits_16bit`` with 16-bit negatives
+in fp32, and the shared pool's ``shared_logsumexp``); ``backend.cpu_fused = false`` turns them all off.
 
 The tiled kernel (``Backend.hstu_attention_tiled``) runs each step of a tile as its own torch op:
 gathers of q/k/v chunks into ``[H, P, C, d]`` copies, the score product, the bias gather and add,
@@ -31,7 +31,7 @@ import shutil
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
 _NAME = "grf_hstu_cpu_fused"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-trapping-math", "-fopenmp"]
 
 
 def unavailable_reason() -> str | None:
@@ -93,7 +93,8 @@ _BUILT: dict = {}  # "module" or "error": the one build attempt of this process
 
 def load():
     """The built extension module (``forward``, ``backward``, ``sampled_forward``,
-    ``sampled_backward``, ``sampled16_forward``, ``sampled16_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
+    ``sampled_backward``, ``sampled16_forward``, ``sampled16_backward``, ``pool_lse_forward``,
+    ``pool_lse_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
     torch's BLAS is not found. Built (or refused) once per process."""
     from npu_ops import UnsupportedOnBackend
 
@@ -249,6 +250,40 @@ def sampled_logits_16bit(user, items, ids, scale, precision: str):
     rounding to its upper 16 bits; both to nearest even, as torch's casts) and dotted with the
     user; backward rounds again for ``d user`` and sums ``d items`` by id, straight through."""
     return _eager("sampled16", _sampled16_function)(user, items, ids, scale.to(user.dtype), precision == "fp16")
+
+
+def _pool_function():
+    import torch
+
+    class FusedSharedLogsumexp(torch.autograd.Function):
+        """lse[T] of the shared pool's logits; keeps the inputs and lse only."""
+
+        @staticmethod
+        def forward(ctx, user, neg_items, neg_ids, targets, pos, neg_bias, scale, masked_logit):
+            lse = load().pool_lse_forward(user, neg_items, neg_ids, targets, pos, neg_bias, scale, masked_logit)
+            ctx.save_for_backward(user, neg_items, neg_ids, targets, pos, neg_bias, lse)
+            ctx.scale, ctx.masked_logit = scale, masked_logit
+            return lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            user, neg_items, neg_ids, targets, pos, neg_bias, lse = ctx.saved_tensors
+            d_user, d_neg, d_pos, d_bias = load().pool_lse_backward(grad, user, neg_items, neg_ids, targets, pos,
+                                                                    neg_bias, lse, ctx.scale, ctx.masked_logit)
+            return d_user, d_neg, None, None, d_pos, d_bias, None, None
+
+    return FusedSharedLogsumexp
+
+
+def shared_logsumexp(user, neg_items, neg_ids, targets, pos, neg_bias, scale: float, masked_logit: float):
+    """``Backend.shared_logsumexp`` on CPU tensors of one float dtype (fp32/fp64): user[T, D],
+    neg_items[R, D], neg_ids[R] and targets[T] integer, pos[T], neg_bias[R] -> lse[T]. Blocks of 128
+    rows: the block's ``[128, R]`` logits by one BLAS product, then bias, mask and logsumexp while
+    they are in cache; backward recomputes each block and writes ``d user`` and per-range sums of
+    ``d neg_items`` / ``d neg_bias`` (added in a fixed order: bitwise reproducible)."""
+    return _eager("pool", _pool_function)(user, neg_items, neg_ids, targets, pos, neg_bias, float(scale),
+                                          float(masked_logit))
 
 
 def _rows_contiguous(x):

@@ -346,16 +346,18 @@ def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng,
         assert rel_err(grads[0][1], grads[1][1]) <= (GRAD_TOL if dtype == torch.float32 else tol)
 
 
-def test_torch_chunked_shared_logsumexp_matches_reference_across_chunks(rng):
-    """The shared-negatives logsumexp (shared_pool / in_batch losses): torch's row-chunked op vs
-    the reference formulation (Backend.shared_logsumexp) over several chunks, with accidental
-    hits, padding negatives and a bias, fp32 and bf16; outputs and all four gradients."""
+@pytest.mark.parametrize("cpu_fused", [False, True])
+def test_torch_chunked_shared_logsumexp_matches_reference_across_chunks(rng, cpu_fused):
+    """The shared-negatives logsumexp (shared_pool / in_batch losses): torch's row-chunked op
+    (cpu_fused off; on, fp32 runs the fused C++ op, bf16 the chunked one) vs the reference
+    formulation (Backend.shared_logsumexp) over several chunks, with accidental hits, padding
+    negatives and a bias, fp32 and bf16; outputs and all four gradients."""
     import torch
 
     from backends import torch as torch_backend
     from backends.base import Backend
 
-    B = get_backend("torch")
+    B = get_backend("torch", cpu_fused=cpu_fused)
     T, R, D, scale = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 48, 8, 20.0
     user = (rng.standard_normal((T, D)) / np.sqrt(D)).astype(np.float32)
     negs = (rng.standard_normal((R, D)) / np.sqrt(D)).astype(np.float32)
