@@ -42,6 +42,11 @@ template <typename T>
 void mm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
         int ldc) {
   if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: BLAS refuses the zero leading dimensions that come with it
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+    return;
+  }
   const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
   if constexpr (std::is_same_v<T, float>) {
     sgemm_ptr(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
@@ -578,8 +583,8 @@ void for_rounded_rows(const float* items, const int64_t* ids, const float* scale
 // Backend.shared_logsumexp: lse[t] = logsumexp([pos[t], S[t, r] for r < R]) with
 // S[t, r] = scale <user[t], neg[r]> - bias[r], or masked_logit where ids[r] = targets[t] or ids[r] = 0.
 // Rows are processed in blocks of kPoolRows (the [rows, R] logits stay in cache, their product on
-// BLAS); backward splits the rows into kPoolGroups fixed ranges, each summing its d_neg / d_bias
-// into its own buffer, the buffers then added in group order: the same bits for any thread count.
+// BLAS); backward splits the rows into at most kPoolGroups ranges fixed by T, each summing its d_neg /
+// d_bias into its own buffer, the buffers then added in group order: the same bits for any thread count.
 constexpr int64_t kPoolRows = 128;
 constexpr int64_t kPoolGroups = 16;
 
@@ -660,9 +665,12 @@ void pool_lse_backward_impl(const T* g, const T* u, const T* w, const int64_t* i
                             const T* bias, const T* lse, T scale, T masked, int64_t n_pos, int64_t R, int64_t D,
                             T* du, T* dw, T* dpos, T* dbias) {
   const PoolMask mask(ids, R);
-  const int64_t per_group = (n_pos + kPoolGroups - 1) / kPoolGroups;
-  std::vector<T> dw_parts(kPoolGroups * R * D, T(0)), db_parts(kPoolGroups * R, T(0));
-  at::parallel_for(0, kPoolGroups, 1, [&](int64_t begin, int64_t end) {
+  // fewer groups than kPoolGroups for short inputs (a function of n_pos only, never of the threads):
+  // the transient partial sums are groups x R x D
+  const int64_t groups = std::max<int64_t>(1, std::min(kPoolGroups, (n_pos + kPoolRows - 1) / kPoolRows));
+  const int64_t per_group = (n_pos + groups - 1) / groups;
+  std::vector<T> dw_parts(groups * R * D, T(0)), db_parts(groups * R, T(0));
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> S(kPoolRows * R);
     for (int64_t grp = begin; grp < end; ++grp) {
       T* dwg = dw_parts.data() + grp * R * D;
@@ -691,7 +699,7 @@ void pool_lse_backward_impl(const T* g, const T* u, const T* w, const int64_t* i
   });
   std::fill(dw, dw + R * D, T(0));
   std::fill(dbias, dbias + R, T(0));
-  for (int64_t grp = 0; grp < kPoolGroups; ++grp) {
+  for (int64_t grp = 0; grp < groups; ++grp) {
     const T* dwg = dw_parts.data() + grp * R * D;
     const T* dbg = db_parts.data() + grp * R;
     for (int64_t i = 0; i < R * D; ++i) dw[i] += dwg[i];

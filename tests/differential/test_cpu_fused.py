@@ -267,6 +267,27 @@ def test_shared_logsumexp_float64_vs_oracle_and_bitwise_repeatable(T, monkeypatc
         assert torch.equal(a, b)
 
 
+def test_shared_logsumexp_with_an_empty_pool_or_zero_width():
+    """R = 0 (lse = pos) and D = 0: BLAS refuses the zero leading dimensions of an empty product,
+    so the op must not call it; every gradient is defined (zeros where nothing contributes)."""
+    import torch
+
+    from backends import cpu_fused
+
+    _fused_backend()
+    for T, R, D in ((5, 0, 4), (5, 3, 0), (0, 3, 4)):
+        x = [torch.randn(T, D, requires_grad=True), torch.randn(R, D, requires_grad=True),
+             torch.randn(T, requires_grad=True), torch.randn(R, requires_grad=True)]
+        lse = cpu_fused.shared_logsumexp(x[0], x[1], torch.arange(1, R + 1), torch.zeros(T, dtype=torch.long),
+                                         x[2], x[3], 3.0, -5e4)
+        want = torch.logsumexp(torch.cat([x[2].detach()[:, None], (-x[3].detach())[None, :].expand(T, R)], 1), 1)
+        assert torch.allclose(lse.detach(), want, atol=1e-6)
+        grads = torch.autograd.grad(lse.sum(), x, allow_unused=True)
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        if R == 0:
+            assert torch.equal(grads[0], torch.zeros(T, D)) and torch.equal(grads[2], torch.ones(T))
+
+
 def test_blas_is_bound_from_torchs_library_and_checked():
     """sgemm_/dgemm_ come from libtorch_cpu's handle (not whichever BLAS the process loaded first)
     and pass a product check; "" or a missing path falls back to the process' global scope."""
