@@ -34,6 +34,21 @@ using gemm_d = void (*)(const char*, const char*, const int*, const int*, const 
                         const double*, const int*, const double*, const int*, const double*, double*, const int*);
 gemm_f sgemm_ptr = nullptr;
 gemm_d dgemm_ptr = nullptr;
+// MKL's per-thread thread count (MKL_Set_Num_Threads_Local, exported by torch's library): the ops
+// split their work themselves, so BLAS runs single-threaded in them, also where a parallel_for
+// runs inline outside an OpenMP region (MKL would otherwise split a product as it sees fit).
+using mkl_local_f = int (*)(int);
+mkl_local_f mkl_local_ptr = nullptr;
+
+struct OneBlasThread {
+  int previous = 0;
+  OneBlasThread() {
+    if (mkl_local_ptr != nullptr) previous = mkl_local_ptr(1);
+  }
+  ~OneBlasThread() {
+    if (mkl_local_ptr != nullptr) mkl_local_ptr(previous);
+  }
+};
 
 bool load_blas() { return sgemm_ptr != nullptr && dgemm_ptr != nullptr; }
 
@@ -64,6 +79,8 @@ std::string bind_blas(const std::string& torch_library) {
   void* scope = handle != nullptr ? handle : RTLD_DEFAULT;
   sgemm_ptr = reinterpret_cast<gemm_f>(dlsym(scope, "sgemm_"));
   dgemm_ptr = reinterpret_cast<gemm_d>(dlsym(scope, "dgemm_"));
+  // the C entry (int by value); the lower-case names are the Fortran one, which takes int*
+  mkl_local_ptr = reinterpret_cast<mkl_local_f>(dlsym(scope, "MKL_Set_Num_Threads_Local"));
   if (!load_blas()) return "torch's BLAS symbols sgemm_/dgemm_ are not exported by this torch build";
   const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {7, 8, 9, 10, 11, 12};  // [2, 3] x [3, 2]
   const double ad[6] = {1, 2, 3, 4, 5, 6}, bd[6] = {7, 8, 9, 10, 11, 12};
@@ -403,6 +420,7 @@ torch::Tensor hstu_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                            torch::Tensor pair_q, torch::Tensor pair_k, torch::Tensor pos, torch::Tensor pos_w,
                            torch::Tensor ts_w, torch::Tensor bucket, int64_t norm_len) {
   TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS is not bound (bind_blas)");
+  const OneBlasThread one_blas_thread;
   check(q, "q");
   check(k, "k");
   check(v, "v");
@@ -426,6 +444,7 @@ std::vector<torch::Tensor> hstu_backward(torch::Tensor dout, torch::Tensor q, to
                                          torch::Tensor pos, torch::Tensor pos_w, torch::Tensor ts_w,
                                          torch::Tensor bucket, int64_t norm_len) {
   TORCH_CHECK(load_blas(), "cpu_fused attention: torch's BLAS is not bound (bind_blas)");
+  const OneBlasThread one_blas_thread;
   check(q, "q");
   check(k, "k");
   check(v, "v");
@@ -812,6 +831,8 @@ std::vector<torch::Tensor> sampled16_backward(torch::Tensor grad, torch::Tensor 
 // targets[T] integer, pos[T], bias[R] (one float dtype) -> lse[T].
 torch::Tensor pool_lse_forward(torch::Tensor user, torch::Tensor neg, torch::Tensor ids, torch::Tensor targets,
                                torch::Tensor pos, torch::Tensor bias, double scale, double masked) {
+  TORCH_CHECK(load_blas(), "cpu_fused shared logsumexp: torch's BLAS is not bound (bind_blas)");
+  const OneBlasThread one_blas_thread;
   auto u = user.contiguous(), w = neg.contiguous(), p = pos.contiguous(), b = bias.contiguous();
   auto id = ids.contiguous().to(torch::kInt64), tg = targets.contiguous().to(torch::kInt64);
   TORCH_CHECK(u.dim() == 2 && w.dim() == 2 && u.size(1) == w.size(1) && id.numel() == w.size(0) &&
@@ -838,6 +859,8 @@ torch::Tensor pool_lse_forward(torch::Tensor user, torch::Tensor neg, torch::Ten
 std::vector<torch::Tensor> pool_lse_backward(torch::Tensor grad, torch::Tensor user, torch::Tensor neg,
                                              torch::Tensor ids, torch::Tensor targets, torch::Tensor pos,
                                              torch::Tensor bias, torch::Tensor lse, double scale, double masked) {
+  TORCH_CHECK(load_blas(), "cpu_fused shared logsumexp: torch's BLAS is not bound (bind_blas)");
+  const OneBlasThread one_blas_thread;
   auto u = user.contiguous(), w = neg.contiguous(), p = pos.contiguous(), b = bias.contiguous();
   auto l = lse.contiguous(), g = grad.contiguous().to(u.scalar_type());
   auto id = ids.contiguous().to(torch::kInt64), tg = targets.contiguous().to(torch::kInt64);
@@ -871,5 +894,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampled16_backward", &sampled16_backward, "sampled logits with 16-bit negatives, backward", nogil);
   m.def("pool_lse_forward", &pool_lse_forward, "shared-pool logsumexp, forward", nogil);
   m.def("pool_lse_backward", &pool_lse_backward, "shared-pool logsumexp, backward", nogil);
+  m.def("blas_threads_pinned", [] { return mkl_local_ptr != nullptr; },
+        "whether BLAS runs single-threaded inside the ops (MKL's per-thread setting was found)");
   m.def("bind_blas", &bind_blas, "bind torch's sgemm_/dgemm_ from the given library; '' or why not");
 }

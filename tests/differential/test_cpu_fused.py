@@ -299,6 +299,7 @@ def test_blas_is_bound_from_torchs_library_and_checked():
     assert module.bind_blas("") == ""
     assert module.bind_blas("/nonexistent/libtorch_cpu.so") == ""
     assert module.bind_blas(cpu_fused._torch_library()) == ""
+    assert module.blas_threads_pinned()  # MKL's per-thread count: BLAS single-threaded in the ops
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
