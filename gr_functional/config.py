@@ -277,7 +277,8 @@ class BackendConfig:
     # 2 CPU cores). README "Speed" has the measured gain.
     compile: bool = False
     # torch on CPU: the fused C++ ops of backends/cpu_fused (the attention "default"/"best" runs,
-    # and the loss's sampled logits in fp32/fp64, 16-bit negatives too), built on first use with torch.utils.cpp_extension
+    # the loss's sampled logits in fp32/fp64, its 16-bit negatives and the shared pool's
+    # logsumexp), built on first use with torch.utils.cpp_extension
     # (needs a C++ compiler; where the build fails, a warning and the torch formulations). false:
     # the torch formulations only. torch only.
     cpu_fused: bool = True

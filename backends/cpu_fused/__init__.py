@@ -249,7 +249,7 @@ def sampled_logits_16bit(user, items, ids, scale, precision: str):
     bits with its position's scale while in cache (fp16 by the CPU's F16C conversions, bf16 by
     rounding to its upper 16 bits; both to nearest even, as torch's casts) and dotted with the
     user; backward rounds again for ``d user`` and sums ``d items`` by id, straight through."""
-    return _eager("sampled16", _sampled16_function)(user, items, ids, scale.to(user.dtype), precision == "fp16")
+    return _eager("sampled16", _sampled16_function)(user, items, ids, scale, precision == "fp16")
 
 
 def _pool_function():

@@ -100,7 +100,8 @@ std::string bind_blas(const std::string& torch_library) {
 }
 
 // exp for the tile loops: Cephes' expf polynomial with the exponent set by bit arithmetic, written
-// so that the compiler vectorises it (std::exp stays scalar without -ffast-math); 1-2 ulp.
+// so that the compiler vectorises it (std::exp stays scalar without -ffast-math; the clamps need
+// -fno-trapping-math, else GCC counts them as control flow and keeps every exp loop scalar); 1-2 ulp.
 inline float exp_fast(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
