@@ -71,6 +71,12 @@ _STALE_LOCK_S = 30 * 60
 
 
 def _remove_stale_lock(cpp_extension) -> None:
+    """Remove torch's build lock when it is older than ``_STALE_LOCK_S``.
+
+    Two processes may find the same stale lock at once, and one may remove it and start a build
+    (a fresh lock at the same path) before the other acts. So the lock judged stale is first
+    renamed to a name of this process' own (atomic) and deleted only if what was renamed is still
+    stale; a fresh lock caught by the rename is linked back at once."""
     import time
     import warnings
 
@@ -79,13 +85,23 @@ def _remove_stale_lock(cpp_extension) -> None:
         age = time.time() - os.path.getmtime(lock)
     except OSError:
         return
-    if age > _STALE_LOCK_S:
-        warnings.warn(f"cpu_fused ops: removing {lock}, left {age / 60:.0f} min ago by a build that did "
-                      f"not finish", stacklevel=3)
+    if age <= _STALE_LOCK_S:
+        return
+    moved = f"{lock}.stale.{os.getpid()}"
+    try:
+        os.rename(lock, moved)
+    except OSError:  # another process removed it first
+        return
+    if time.time() - os.path.getmtime(moved) <= _STALE_LOCK_S:  # a fresh lock: back to its builder
         try:
-            os.remove(lock)
-        except OSError:
+            os.link(moved, lock)
+        except OSError:  # yet another build holds the path now; the fresh lock's owner releases it
             pass
+        os.remove(moved)
+        return
+    os.remove(moved)
+    warnings.warn(f"cpu_fused ops: removed {lock}, left {age / 60:.0f} min ago by a build that did "
+                  f"not finish", stacklevel=3)
 
 
 _BUILT: dict = {}  # "module" or "error": the one build attempt of this process

@@ -317,3 +317,28 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match="did not finish"):
         cpu_fused._remove_stale_lock(cpp_extension)
     assert not os.path.exists(lock)
+
+
+def test_a_fresh_lock_that_replaced_the_stale_one_is_given_back(tmp_path, monkeypatch):
+    """Two processes find the same stale lock; the first removes it and starts a build (a fresh
+    lock) before the second renames 'the stale lock' away: the second must hand the fresh one back."""
+    from torch.utils import cpp_extension
+
+    from backends import cpu_fused
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = os.path.join(cpp_extension._get_build_directory(cpu_fused._NAME, verbose=False), "lock")
+    open(lock, "w").close()
+    os.utime(lock, (0, os.path.getmtime(lock) - cpu_fused._STALE_LOCK_S - 60))
+    real_rename = os.rename
+
+    def other_process_got_there_first(src, dst):
+        os.remove(src)
+        open(src, "w").close()  # its build's lock, fresh
+        real_rename(src, dst)
+
+    monkeypatch.setattr(cpu_fused.os, "rename", other_process_got_there_first)
+    cpu_fused._remove_stale_lock(cpp_extension)
+    monkeypatch.setattr(cpu_fused.os, "rename", real_rename)
+    assert os.path.exists(lock)
+    assert os.listdir(os.path.dirname(lock)) == ["lock"]
