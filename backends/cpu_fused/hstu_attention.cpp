@@ -604,10 +604,12 @@ void for_rounded_rows(const float* items, const int64_t* ids, const float* scale
 // Backend.shared_logsumexp: lse[t] = logsumexp([pos[t], S[t, r] for r < R]) with
 // S[t, r] = scale <user[t], neg[r]> - bias[r], or masked_logit where ids[r] = targets[t] or ids[r] = 0.
 // Rows are processed in blocks of kPoolRows (the [rows, R] logits stay in cache, their product on
-// BLAS); backward splits the rows into at most kPoolGroups ranges fixed by T, each summing its d_neg /
+// BLAS); backward splits the rows into at most kPoolGroups ranges fixed by the shapes, each summing its d_neg /
 // d_bias into its own buffer, the buffers then added in group order: the same bits for any thread count.
 constexpr int64_t kPoolRows = 128;
 constexpr int64_t kPoolGroups = 16;
+constexpr int64_t kPoolMinGroups = 4;
+constexpr int64_t kPoolPartsBytes = int64_t(64) << 20;
 
 // The pool's masked cells: padding ids (every row) and, per row, the pool slots holding its target
 // (accidental hits, rare): listed once per call so the per-row passes stay branch-free and vectorised.
@@ -686,9 +688,12 @@ void pool_lse_backward_impl(const T* g, const T* u, const T* w, const int64_t* i
                             const T* bias, const T* lse, T scale, T masked, int64_t n_pos, int64_t R, int64_t D,
                             T* du, T* dw, T* dpos, T* dbias) {
   const PoolMask mask(ids, R);
-  // fewer groups than kPoolGroups for short inputs (a function of n_pos only, never of the threads):
-  // the transient partial sums are groups x R x D
-  const int64_t groups = std::max<int64_t>(1, std::min(kPoolGroups, (n_pos + kPoolRows - 1) / kPoolRows));
+  // the transient partial sums are groups x R x D: fewer groups than kPoolGroups for short inputs
+  // and for large pools (kPoolPartsBytes, down to kPoolMinGroups), a function of the shapes only,
+  // never of the threads
+  const int64_t by_bytes = kPoolPartsBytes / std::max<int64_t>(1, R * D * static_cast<int64_t>(sizeof(T)));
+  const int64_t groups = std::max<int64_t>(1, std::min({kPoolGroups, (n_pos + kPoolRows - 1) / kPoolRows,
+                                                        std::max(kPoolMinGroups, by_bytes)}));
   const int64_t per_group = (n_pos + groups - 1) / groups;
   std::vector<T> dw_parts(groups * R * D, T(0)), db_parts(groups * R, T(0));
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {

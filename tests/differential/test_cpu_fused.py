@@ -219,8 +219,10 @@ def test_16bit_sampled_logits_round_exactly_as_the_oracle(precision, monkeypatch
         assert rel_err(x.numpy(), z.numpy()) <= 1e-6
 
 
-@pytest.mark.parametrize("T", [1, 130, 2100])  # one row; blocks of 128 with a remainder; more rows than 16 groups' worth
-def test_shared_logsumexp_float64_vs_oracle_and_bitwise_repeatable(T, monkeypatch):
+# one row; blocks of 128 with a remainder; more rows than 16 groups' worth; a pool whose partial
+# sums would pass the op's 64 MB over 11 blocks of rows (8 groups in fp32, 4 in float64)
+@pytest.mark.parametrize("T, R, D", [(1, 37, 6), (130, 37, 6), (2100, 37, 6), (1400, 2048, 1024)])
+def test_shared_logsumexp_float64_vs_oracle_and_bitwise_repeatable(T, R, D, monkeypatch):
     """The fused shared-pool logsumexp in float64 against a float64 numpy oracle (logits, mask on
     accidental hits and padding ids, bias, logsumexp with the positive; all four gradients by the
     softmax's closed form) to 1e-12, and in fp32 the same bits on 1 and 2 threads."""
@@ -233,8 +235,8 @@ def test_shared_logsumexp_float64_vs_oracle_and_bitwise_repeatable(T, monkeypatc
     real = cpu_fused.shared_logsumexp
     monkeypatch.setattr(cpu_fused, "shared_logsumexp", lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng(T)
-    R, D, scale, masked = 37, 6, 7.0, -5e4
-    user, negs = rng.standard_normal((T, D)) / 2, rng.standard_normal((R, D)) / 2
+    scale, masked = 7.0, -5e4
+    user, negs = rng.standard_normal((T, D)) / 2, rng.standard_normal((R, D)) / np.sqrt(D)
     neg_ids, targets = rng.integers(0, 25, R), rng.integers(0, 25, T)
     pos, bias, cot = rng.standard_normal(T) * 3, rng.standard_normal(R), rng.standard_normal(T)
     hit = (neg_ids[None, :] == targets[:, None]) | (neg_ids[None, :] == 0)
