@@ -658,9 +658,7 @@ RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-ran
 _RANKING_REFUSES = (
     ("embedding", "sharding", "replicated", "it trains in one process so far"),
     ("embedding", "staleness", 0, "its sparse updates are synchronous so far"),
-    ("train", "accumulate", 1, "gradient accumulation is not wired into the ranking step yet"),
     ("train", "max_tokens", 0, "its batches hold train.batch_size users"),
-    ("backend", "precision", "fp32", "bf16 / fp16 are not differential-tested on the ranking model yet"),
     ("dist", "nproc", 1, "it trains in one process so far"),
 )
 

@@ -137,7 +137,7 @@ def bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
 
 
 # ----------------------------------------------------------------------------- step runners
-def _groups(batches, k: int):
+def step_groups(batches, k: int):
     """Consecutive groups of ``k`` batches (the last group of an epoch may be shorter)."""
     group = []
     for b in batches:
@@ -173,7 +173,7 @@ class LocalSteps:
     def batches(self, epoch: int, start: int, limit: int | None = None):
         """The steps of epoch ``epoch`` from batch ``start``: lists of micro-batches, at most
         ``limit`` of them (the steps ``train.max_steps`` leaves)."""
-        steps = _groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+        steps = step_groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
         return itertools.islice(steps, limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
@@ -239,7 +239,7 @@ class RankSteps:
             return self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact", prefetch=self.prefetch,
                                           stats=self.prefetch_stats, group=self.k, finish=self._route, limit=limit,
                                           pairs=self.ahead)
-        steps = _groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
+        steps = step_groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
                                                with_ids=self.host is not None, prefetch=self.prefetch,
                                                stats=self.prefetch_stats), self.k)
         return itertools.islice(steps, limit)

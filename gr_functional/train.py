@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import numpy as np
 
@@ -89,6 +90,30 @@ def init_loss_scale(B, cfg: Config) -> dict:
 
 
 # ----------------------------------------------------------------------------- pieces
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a task's step differentiates; the step around it (precision, loss scaling,
+    accumulation, the guarded update) is shared by every task.
+
+      loss(P, params, batch) -> scalar   the batch's mean loss, computed with ``P``: the backend, or
+                                         its ``with_precision`` view (params and batch then cast)
+      tokens(B, batch) -> scalar         what the mean is over (micro-batches are weighted by it)
+      cast_batch(B, batch, dtype)        the batch with the float inputs that multiply activations
+                                         in the compute dtype (labels and weights stay fp32)
+    """
+
+    loss: Callable
+    tokens: Callable
+    cast_batch: Callable
+
+
+def retrieval_objective(cfg: Config) -> Objective:
+    """The research HSTU's: ``model.loss_fn`` (the registered ``loss.name``) over ``sum(weights)``
+    supervised tokens."""
+    return Objective(loss=lambda P, params, batch: model.loss_fn(P, params, batch, cfg.model, loss=cfg.loss),
+                     tokens=lambda B, batch: B.xp.sum(batch.weights), cast_batch=_cast_batch)
+
+
 def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
     """Dropout masks in the compute dtype (they multiply activations; 1/(1-p) = 1.25 is exact in
     bf16/fp16). ``weights`` stay fp32: they weight the fp32 loss."""
@@ -98,8 +123,9 @@ def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
         block_keep=None if batch.block_keep is None else B.cast(batch.block_keep, dtype))
 
 
-def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
-    """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss.
+def _loss(B, params: dict, batch, scale, cfg: Config, objective: Objective | None = None):
+    """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss
+    (``objective``: the task's, default ``retrieval_objective``).
 
     With a ``batch.lookup``, the step's rows that are not ``touched`` (padding, ids the table did
     not admit: they read the zero row) get no gradient: at a zero row the L2 normalisation's
@@ -107,13 +133,14 @@ def _loss(B, params: dict, batch: HSTUBatch, scale, cfg: Config):
     updated."""
     if batch.lookup is not None and TABLE in params:
         params = untouched_frozen(B, params, batch.lookup)
+    objective = objective or retrieval_objective(cfg)
     precision = cfg.backend.precision
     if precision == "fp32":
-        loss = model.loss_fn(B, params, batch, cfg.model, loss=cfg.loss)
+        loss = objective.loss(B, params, batch)
     else:
         P = B.with_precision(precision)
-        loss = model.loss_fn(P, B.cast_tree(params, P.compute_dtype_name),
-                             _cast_batch(B, batch, P.compute_dtype_name), cfg.model, loss=cfg.loss)
+        loss = objective.loss(P, B.cast_tree(params, P.compute_dtype_name),
+                              objective.cast_batch(B, batch, P.compute_dtype_name))
         loss = B.cast(loss, B.dtype_name)
     return (loss if scale is None else loss * scale), loss
 
@@ -127,14 +154,17 @@ def untouched_frozen(B, view: dict, lookup) -> dict:
     return {**view, TABLE: xp.where(keep, rows, B.stop_gradient(rows))}
 
 
-def micro_grads(B, params: dict, opt_state: dict, batch: HSTUBatch, cfg: Config):
+def micro_grads(B, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
     """``(loss, tokens, grads)`` of one (micro-)batch: the fp32 mean loss, its supervised token
-    count ``sum(weights)`` and the unscaled gradients (a tree like params, master dtype)."""
+    count (``objective.tokens``: ``sum(weights)`` for retrieval) and the unscaled gradients (a
+    tree like params, master dtype)."""
+    objective = objective or retrieval_objective(cfg)
     scale = opt_state["loss_scale"]["scale"] if "loss_scale" in opt_state else None
-    (_, loss), grads = B.value_and_grad(partial(B.compiled(_loss), B, cfg=cfg), has_aux=True)(params, batch, scale)
+    loss_fn = partial(B.compiled(_loss), B, cfg=cfg, objective=objective)
+    (_, loss), grads = B.value_and_grad(loss_fn, has_aux=True)(params, batch, scale)
     if scale is not None:
         grads = tree_map(lambda g: g / scale, grads)  # scale is a power of two: exact
-    return loss, B.xp.sum(batch.weights), grads
+    return loss, objective.tokens(B, batch), grads
 
 
 def accumulate(B, acc, loss, tokens, grads):
@@ -289,32 +319,33 @@ def refresh_rows(B, table, row_state: dict, pending: list, rows, lookup):
 
 
 # ----------------------------------------------------------------------------- the step
-def train_step(B, params: dict, opt_state: dict, batch, cfg: Config):
-    """One optimizer step on ``batch`` (an ``HSTUBatch`` or a list of micro-batches). Pure."""
+def train_step(B, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
+    """One optimizer step on ``batch`` (an ``HSTUBatch``, or the ``objective``'s batch type, or a
+    list of micro-batches). Pure."""
     batches = list(batch) if isinstance(batch, (list, tuple)) else [batch]
     lookup = batches[0].lookup
     view = params if lookup is None else local_params(B, params, lookup)
     if len(batches) == 1:
         # one batch: its own mean loss and gradients, no re-weighting (bitwise the plain step)
-        loss, tokens, grads = micro_grads(B, view, opt_state, batches[0], cfg)
+        loss, tokens, grads = micro_grads(B, view, opt_state, batches[0], cfg, objective)
     else:
         acc = None
         for mb in batches:
-            acc = accumulate(B, acc, *micro_grads(B, view, opt_state, mb, cfg))
+            acc = accumulate(B, acc, *micro_grads(B, view, opt_state, mb, cfg, objective))
         loss, tokens, grads = finish(B, acc)
     return apply_update(B, params, opt_state, loss, tokens, grads, cfg, lookup=lookup, view=view)
 
 
-def make_train_step(B, cfg: Config):
+def make_train_step(B, cfg: Config, objective: Objective | None = None):
     """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``.
 
-    Computes ``train_step``. A single batch runs as one jitted program; micro-batches run one
+    Computes ``train_step`` (of ``objective``, default the retrieval HSTU's). A single batch runs as one jitted program; micro-batches run one
     jitted gradient program per micro-batch (compiled once per capacity) and a running sum, so
     JAX never compiles a program per combination of micro-batch capacities and only one
     gradient tree is held besides the sum.
     """
-    whole = B.jit(partial(train_step, B, cfg=cfg))
-    grads_fn = B.jit(partial(micro_grads, B, cfg=cfg))
+    whole = B.jit(partial(train_step, B, cfg=cfg, objective=objective))
+    grads_fn = B.jit(partial(micro_grads, B, cfg=cfg, objective=objective))
     first_fn = B.jit(partial(accumulate, B, None))
     acc_fn = B.jit(partial(accumulate, B))
     apply_fn = B.jit(lambda params, opt_state, acc, lookup, view: apply_update(

@@ -146,8 +146,8 @@ def test_gr_processed_file_trains(tmp_path):
     (["embedding.sharding=row", "embedding.optimizer=lazy_adam"], "embedding.sharding"),
     (["embedding.optimizer=lazy_adam"], "embedding.optimizer"),                  # a dense table, row-sparse
     (["embedding.kind=hash", "embedding.optimizer=lazy_adam", "ranking.merge_tables=false"], "ranking.merge_tables"),
-    (["train.accumulate=2"], "train.accumulate"),
-    (["backend.precision=bf16"], "backend.precision"),
+    (["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.staleness=1"], "embedding.staleness"),
+    (["train.max_tokens=4000"], "train.max_tokens"),
     (["data.dataset=ml-1m"], "data.dataset")])
 def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
     with pytest.raises(ConfigError, match=f"{key}=.*(model.task='ranking'|hash)"):
@@ -219,8 +219,8 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
     dense = init_ranking_params(mc, seed=1)
     (group,) = table_plan(mc)
     host = make_host(cfg)
-    sparse.prepare(host, batch, 1)                              # inserts every key
-    local, stats = sparse.prepare(host, batch, 2)               # now all hits: rows read the table
+    sparse.prepare(host, [batch], 1)                            # inserts every key
+    (local,), stats = sparse.prepare(host, [batch], 2)          # now all hits: rows read the table
     assert not np.asarray(local.lookup.fresh).any() and stats.unique < stats.ids
     hashed = {k: v for k, v in dense.items() if k != "tables"}
     keys = np.unique(np.concatenate([np.ravel(a) for a in sparse.batch_keys(batch)]))

@@ -5,8 +5,8 @@ logits for every task and the multitask loss. Pure functions of ``(B, params, ba
 Per user: the 6 contextual tokens, the history (the oldest ``max_seq_len - num_candidates - 6``
 events before the candidates, as GR's ``maybe_truncate_seq`` keeps them) and the last
 ``num_candidates`` events as candidates, whose action bits are the labels. Ids index the tables
-modulo their sizes (GR's ``process_and_hash_x``). Dense tables only so far; the hash tables of
-``gr_functional.embedding`` come with the training loop.
+modulo their sizes (GR's ``process_and_hash_x``). The tables here are dense; with
+``embedding.kind = "hash"`` the training loop serves them from one hash table (ranking/sparse.py).
 """
 from __future__ import annotations
 

@@ -10,11 +10,16 @@ normaliser is the batch's longest sequence, so this is part of the protocol; GR 
 epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy at
 1K-user scale to select on); eval.json holds that epoch's test metrics.
 
+``backend.precision`` (bf16 / fp16 with fp32 master weights and, for fp16, loss scaling) and
+``train.accumulate`` (k loader batches per step, sharing the attention normaliser) run through
+``train.make_train_step``, the retrieval step, on ``ranking_objective``.
+
 Not yet supported here, refused by name in ``config.validate``: row-sharded tables, more than one
-process, gradient accumulation, token budgets, bf16 / fp16, bounded staleness.
+process, token budgets, bounded staleness.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -29,43 +34,47 @@ from ..data.prefetch import PrefetchStats
 from ..errors import CheckpointError, ConfigError, Diverged, NonFiniteState, TrainingAborted
 from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
                      LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, lookup_record,
-                     last_healthy, named_hooks)
+                     last_healthy, named_hooks, step_groups)
 from ..report import RANKING_SELECT, select_epoch
 from ..runlock import RunLock
-from ..train import TABLE, apply_update, init_opt_state, local_params, untouched_frozen
+from ..train import TABLE, Objective, init_opt_state, make_train_step
 from . import sparse
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
-from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_loss, ranking_param_shapes
+from .heads import multitask_loss
+from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_param_shapes
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
 
 
+def _cast_ranking_batch(B, batch, dtype: str):
+    """The float inputs that multiply activations in the compute dtype (dropout masks, the
+    candidate flags and time features); labels and ``cand_mask`` stay fp32 (they weight the loss)."""
+    cast = lambda x: None if x is None else B.cast(x, dtype)  # noqa: E731
+    return dataclasses.replace(batch, is_cand=cast(batch.is_cand), cand_feats=cast(batch.cand_feats),
+                               keep_input=cast(batch.keep_input), keep_layers=cast(batch.keep_layers))
+
+
+def ranking_objective(cfg: Config) -> Objective:
+    """GR's multitask loss (sum over tasks of 0.2 x mean BCE) over the batch's candidates
+    (``sum(cand_mask)``). In bf16 / fp16 the logits are cast to the master dtype before the BCE.
+    With hash tables the parameters carry the step's rows as ``TABLE`` (ranking/sparse.py)."""
+    mc, hashed = cfg.ranking, sparse.hashed(cfg)
+
+    def loss(P, params, batch):
+        logits = ranking_logits(P, sparse.model_params(params, mc) if hashed else params, batch, mc)
+        return multitask_loss(P, P.cast(logits, P.dtype_name), batch.labels, batch.cand_mask)[0]
+
+    return Objective(loss=loss, tokens=lambda B, batch: B.xp.sum(batch.cand_mask), cast_batch=_cast_ranking_batch)
+
+
 def make_ranking_step(B, cfg: Config):
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``: one guarded step on a
-    ``RankingBatch`` (metrics as ``train.train_step``'s; ``tokens`` = candidates): AdamW on every
-    parameter, or with hash tables (ranking/sparse.py) AdamW on the dense ones and the row-sparse
-    optimizer on the step's rows (``batch.lookup``)."""
-    mc = cfg.ranking
-
-    def loss_only(params, batch):
-        loss, _ = ranking_loss(B, params, batch, mc)
-        return loss
-
-    def step(params, opt_state, batch):
-        loss, grads = B.value_and_grad(loss_only)(params, batch)
-        return apply_update(B, params, opt_state, loss, B.xp.sum(batch.cand_mask), grads, cfg)
-
-    def hashed_loss(view, batch):
-        return loss_only(sparse.model_params(untouched_frozen(B, view, batch.lookup), mc), batch)
-
-    def hashed_step(params, opt_state, batch):
-        view = local_params(B, params, batch.lookup)
-        loss, grads = B.value_and_grad(hashed_loss)(view, batch)
-        return apply_update(B, params, opt_state, loss, B.xp.sum(batch.cand_mask), grads, cfg, lookup=batch.lookup,
-                            view=view)
-
-    return B.jit(hashed_step if sparse.hashed(cfg) else step)
+    """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``:
+    ``train.make_train_step`` on ``ranking_objective`` (metrics as its; ``tokens`` = candidates):
+    AdamW on every parameter, or with hash tables (ranking/sparse.py) AdamW on the dense ones and
+    the row-sparse optimizer on the step's rows (``batch.lookup``); ``backend.precision`` and
+    ``train.accumulate`` as for retrieval."""
+    return make_train_step(B, cfg, ranking_objective(cfg))
 
 
 def make_host(cfg: Config):
@@ -87,26 +96,39 @@ def init_params(cfg: Config, host) -> dict:
     return sparse.init_hashed_params(cfg.ranking, host.rows, cfg.train.seed)
 
 
+def shared_norm(micro: list) -> list:
+    """The micro-batches of one accumulated step with their group's attention normaliser: GR's
+    STU divides by the batch's longest sequence (``layout.max_len``), so each micro-batch's layout
+    is widened to the longest of the group, and k micro-batches give the step of the one batch
+    holding all their users (tested)."""
+    if len(micro) < 2:
+        return micro
+    norm = max(b.layout.max_len for b in micro)
+    return [dataclasses.replace(b, layout=b.layout.with_max_len(norm)) for b in micro]
+
+
 class RankingSteps:
-    """One optimizer step per loader batch (the runner's ``steps`` protocol). With a hash table,
-    ``host`` maps each step's ids to rows on the main thread, in step order (a checkpoint holds
-    the table state of the last trained step)."""
+    """``train.accumulate`` loader batches per optimizer step (the runner's ``steps`` protocol),
+    sharing their normaliser (``shared_norm``). With a hash table, ``host`` maps each step's ids to
+    rows on the main thread, in step order (a checkpoint holds the table state of the last trained
+    step)."""
 
     def __init__(self, B, cfg: Config, loader: RankingLoader, host=None):
         self.B, self.loader, self.prefetch, self.host = B, loader, cfg.train.prefetch, host
+        self.k = cfg.train.accumulate
         self.prefetch_stats = PrefetchStats()
         self.fn = make_ranking_step(B, cfg)
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
-        steps = ([b] for b in self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats))
-        return itertools.islice(steps, limit)
+        batches = self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats)
+        return itertools.islice((shared_norm(group) for group in step_groups(batches, self.k)), limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
-        (batch,) = micro
-        tokens, stats = batch.layout.num_tokens(), None
+        tokens, stats = sum(b.layout.num_tokens() for b in micro), None
         if self.host is not None:
-            batch, stats = sparse.prepare(self.host, batch, step)
-        params, opt_state, m = self.fn(params, opt_state, self.B.asarray_tree(batch))
+            micro, stats = sparse.prepare(self.host, micro, step)
+        dev = [self.B.asarray_tree(b) for b in micro]
+        params, opt_state, m = self.fn(params, opt_state, dev if len(dev) > 1 else dev[0])
         return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
@@ -304,7 +326,7 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
     epoch, start = loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None
-    total = loader.steps_per_epoch * tc.epochs
+    total = -(-loader.steps_per_epoch // tc.accumulate) * tc.epochs
     total = min(total, tc.max_steps) if tc.max_steps else total
 
     def save(reason: str, epoch_of: int) -> Path | None:

@@ -44,11 +44,12 @@ def localize_ranking(batch, ids: np.ndarray, lookup=None):
                                                         for f in ID_FIELDS})
 
 
-def prepare(host, batch, step: int):
-    """``(batch on local indices with its Lookup, LookupStats)`` for one training step."""
-    ids, refs = unique_ids(batch_keys(batch))
+def prepare(host, batches: list, step: int):
+    """``(the micro-batches on local indices, each with the step's Lookup; LookupStats)`` for one
+    training step: one lookup over the distinct keys of all of them."""
+    ids, refs = unique_ids([keys for b in batches for keys in batch_keys(b)])
     lookup, stats = host.plan(ids, refs, step)
-    return localize_ranking(batch, ids, lookup), stats
+    return [localize_ranking(b, ids, lookup) for b in batches], stats
 
 
 def eval_rows(host, batch):

@@ -39,6 +39,13 @@ def rel_err(a, ref) -> float:
     return float(diff / scale) if scale > 0 else float(diff)
 
 
+def tree_cosine(a: dict, b: dict) -> float:
+    """Cosine between two flat ``{path: array}`` trees (all leaves concatenated, float64)."""
+    x = np.concatenate([np.ravel(a[k]) for k in sorted(a)]).astype(np.float64)
+    y = np.concatenate([np.ravel(b[k]) for k in sorted(b)]).astype(np.float64)
+    return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+
+
 def make_layout(case: str, max_len: int = MAX_LEN) -> Jagged:
     lengths, b_cap = LAYOUT_CASES[case]
     seqs = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]

@@ -27,7 +27,7 @@ from gr_functional.config import BackendConfig, Config, OptimConfig, TrainConfig
 from gr_functional.train import init_opt_state, make_train_step, micro_grads
 from gr_functional.tree import tree_items
 
-from ..differential.common import rel_err
+from ..differential.common import rel_err, tree_cosine
 from ..differential.test_model import BATCH_CASES, CFG, NEGATIVES
 
 TOL = {"bf16": {"loss": 1e-2, "grad": 0.1, "cos": 0.999},
@@ -51,10 +51,18 @@ def fixed_cap_batch(case, seed):
                       negatives=NEGATIVES)
 
 
-def _cosine(a: dict, b: dict) -> float:
-    x = np.concatenate([a[k].ravel() for k in sorted(a)]).astype(np.float64)
-    y = np.concatenate([b[k].ravel() for k in sorted(b)]).astype(np.float64)
-    return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+def finite_grads(B, fn, params, state, batch, what: str, tries: int = 16):
+    """``(loss, tokens, {path: grad})`` of ``fn = micro_grads`` at the first loss scale, halved
+    from ``state``'s as the dynamic scaler would after an fp16 overflow, whose gradients are all
+    finite; they must be fp32 (master gradients)."""
+    for _ in range(tries):
+        loss, tokens, grads = fn(params, state, batch)
+        grads = dict(tree_items(B.to_numpy_tree(grads)))
+        if all(np.isfinite(g).all() for g in grads.values()):
+            assert all(g.dtype == np.float32 for g in grads.values())
+            return loss, tokens, grads
+        state["loss_scale"]["scale"] = state["loss_scale"]["scale"] * 0.5
+    pytest.fail(f"gradients are not finite: {what}")
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])
@@ -66,17 +74,8 @@ def test_low_precision_loss_and_grads_against_fp32(name):
         batch = B.asarray_tree(fixed_cap_batch(case, seed=0))
         out = {}
         for precision, fn in fns.items():
-            state = init_opt_state(B, params, cfg_for(precision))
-            for _ in range(12):
-                loss, _, grads = fn(params, state, batch)
-                grads = dict(tree_items(B.to_numpy_tree(grads)))
-                if all(np.isfinite(g).all() for g in grads.values()):
-                    break
-                # fp16 overflowed at this loss scale: halve it, as the dynamic scaler would
-                state["loss_scale"]["scale"] = state["loss_scale"]["scale"] * 0.5
-            else:
-                pytest.fail(f"{precision} gradients are not finite on case {case}")
-            assert all(g.dtype == np.float32 for g in grads.values())   # fp32 master gradients
+            loss, _, grads = finite_grads(B, fn, params, init_opt_state(B, params, cfg_for(precision)), batch,
+                                          f"{precision} on case {case}")
             out[precision] = (float(loss), grads)
         loss32, grads32 = out["fp32"]
         for precision in ("bf16", "fp16"):
@@ -85,7 +84,7 @@ def test_low_precision_loss_and_grads_against_fp32(name):
             assert abs(loss - loss32) <= tol["loss"] * abs(loss32), (case, precision)
             for key, g in grads.items():
                 assert rel_err(g, grads32[key]) <= tol["grad"], (case, precision, key)
-            assert _cosine(grads, grads32) >= tol["cos"], (case, precision)
+            assert tree_cosine(grads, grads32) >= tol["cos"], (case, precision)
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])

@@ -1,0 +1,145 @@
+"""The ranking step on ``train.make_train_step`` (gr_functional/ranking/runner.py
+``ranking_objective``): gradient accumulation equal to one batch of all the micro-batches' users,
+bf16 / fp16 against fp32 on both backends, and a ``grf train`` run with both.
+
+Tolerances of the precision tests (relative, ``rel_err`` = max|a - ref| / max|ref| per tensor;
+worst measured on the tiny preset over 3 batches x 2 seeds, both backends, in parentheses):
+
+  bf16: loss 1e-2 (3.5e-4), every gradient leaf 0.15 (7.3e-2, ``action_table`` / ``wc``: small
+        leaves summing many bf16 products), gradient cosine >= 0.999 (0.99992)
+  fp16: loss 1e-3 (2.5e-5), every gradient leaf 5e-2 (1.8e-2), gradient cosine >= 0.9999 (0.999998)
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import numpy as np
+import pytest
+
+from gr_functional.config import load_config
+from gr_functional.data.sources.kuairand_ranking_synthetic import synthetic_ranking
+from gr_functional.ranking.data import RankingLoader, chronological_split
+from gr_functional.ranking.model import init_ranking_params, make_ranking_batch
+from gr_functional.ranking.runner import init_params, make_host, make_ranking_step, ranking_objective, shared_norm
+from gr_functional.runner import make_backend
+from gr_functional.train import init_opt_state, micro_grads
+from gr_functional.tree import tree_items
+
+from .differential.common import rel_err, tree_cosine
+from .reliability.common import metrics
+from .reliability.test_precision import finite_grads
+from .test_ranking_train import PRESET, TINY, _run
+
+TOL = {"bf16": {"loss": 1e-2, "grad": 0.15, "cos": 0.999},
+       "fp16": {"loss": 1e-3, "grad": 5e-2, "cos": 0.9999}}
+HASH = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=4000"]
+
+
+def _seqs(seed=0):
+    return synthetic_ranking(24, 300, 60, seed=seed, min_events=31)
+
+
+@pytest.mark.parametrize("tables", ["dense", "hash"])
+def test_accumulated_micro_batches_are_one_batch_of_all_their_users(tables):
+    """train.accumulate = 2 in float64: two micro-batches of 8 users (different longest sequences)
+    give the loss and the updated parameters (hash rows included) of one batch of the 16 users,
+    to 1e-10, because they share the group's attention normaliser (``shared_norm``); each with its
+    own normaliser they would not. Adam's eps (1e3, lr 1e3, no weight decay) dominates its first
+    step, which is then -g to 1e-3 of g: the parameters compare gradients, not their signs."""
+    from gr_functional.ranking import sparse
+
+    extra = HASH + ["embedding.lr=1000"] if tables == "hash" else []
+    cfg = load_config(PRESET, TINY + extra + ["backend.dtype=float64", "train.accumulate=2", "optim.eps=1000",
+                                              "optim.lr=1000", "optim.weight_decay=0"])
+    B = make_backend(cfg)
+    seqs = _seqs()
+    train = chronological_split(seqs, cfg.ranking.num_candidates).train
+    lengths = np.minimum(train.ends, cfg.ranking.max_history + cfg.ranking.num_candidates)
+    order = np.argsort(lengths, kind="stable")
+    picks = [order[:8], order[-8:]]                           # the 8 shortest samples, the 8 longest
+    micro = [make_ranking_batch(seqs, train.users[i], cfg.ranking, ends=train.ends[i]) for i in picks]
+    whole = make_ranking_batch(seqs, np.concatenate([train.users[i] for i in picks]), cfg.ranking,
+                               ends=np.concatenate([train.ends[i] for i in picks]))
+    assert micro[0].layout.max_len < micro[1].layout.max_len == whole.layout.max_len
+
+    def one_step(batches):
+        host = make_host(cfg)
+        if host is not None:
+            batches, _ = sparse.prepare(host, batches, 1)
+        params = B.asarray_tree(init_params(cfg, host))
+        assert all(leaf.dtype == np.float64 for _, leaf in tree_items(B.to_numpy_tree(params)))
+        dev = [B.asarray_tree(b) for b in batches]
+        params, _, m = make_ranking_step(B, cfg)(params, init_opt_state(B, params, cfg), dev if len(dev) > 1 else dev[0])
+        assert bool(m["finite"])
+        return float(m["loss"]), dict(tree_items(B.to_numpy_tree(params)))
+
+    loss_acc, acc = one_step(shared_norm(micro))
+    loss_one, one = one_step([whole])
+    assert abs(loss_acc - loss_one) <= 1e-12 * abs(loss_one)
+    for key, want in one.items():
+        assert rel_err(acc[key], want) <= 1e-10, key
+    _, own = one_step(micro)                                  # each micro-batch its own normaliser
+    assert max(rel_err(own[key], want) for key, want in one.items()) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["jax", "torch"])
+def test_low_precision_ranking_loss_and_grads_against_fp32(name):
+    """bf16 / fp16 (fp32 master weights; fp16's loss scale halved on overflow, as the dynamic
+    scaler does) against fp32 on loader batches (dropout masks included), every leaf: three on
+    torch, one on JAX (it compiles once per batch shape and precision)."""
+    seqs = _seqs()
+    fns, batches = {}, None
+    for precision in ("fp32", "bf16", "fp16"):
+        cfg = load_config(PRESET, TINY + [f"backend.name={name}", f"backend.precision={precision}"])
+        B = make_backend(cfg)
+        fns[precision] = cfg, B.jit(partial(micro_grads, B, cfg=cfg, objective=ranking_objective(cfg)))
+        batches = batches or list(RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 16,
+                                                7).epoch(0))[:3 if name == "torch" else 1]
+    params = B.asarray_tree(init_ranking_params(cfg.ranking, seed=0))
+    for i, batch in enumerate(batches):
+        dev, out = B.asarray_tree(batch), {}
+        for precision, (cfg, fn) in fns.items():
+            loss, tokens, grads = finite_grads(B, fn, params, init_opt_state(B, params, cfg), dev,
+                                               f"{precision} on batch {i}")
+            assert float(tokens) == float(np.sum(batch.cand_mask))
+            out[precision] = float(loss), grads
+        loss32, grads32 = out["fp32"]
+        for precision in ("bf16", "fp16"):
+            loss, grads = out[precision]
+            tol = TOL[precision]
+            assert abs(loss - loss32) <= tol["loss"] * abs(loss32), (i, precision)
+            for key, g in grads.items():
+                assert rel_err(g, grads32[key]) <= tol["grad"], (i, precision, key)
+            assert tree_cosine(grads, grads32) >= tol["cos"], (i, precision)
+
+
+LOW_PRECISION_RUN = HASH + ["train.accumulate=2", "train.epochs=2", "train.checkpoint_every=0", "train.loss_scale=1024"]
+
+
+def _low_precision_run(out, precision: str) -> float:
+    """Train ``LOW_PRECISION_RUN`` in ``precision``, check its steps and files; the mean loss of
+    its last epoch."""
+    proc = _run(out, *LOW_PRECISION_RUN, f"backend.precision={precision}")
+    assert proc.returncode == 0, proc.stderr
+    records = [r for r in metrics(out) if r["kind"] in ("train", "skip")]
+    assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in range(1, 7)]
+    assert all(("loss_scale" in r) == (precision == "fp16") for r in records)
+    result = json.loads((out / "eval.json").read_text())
+    assert result["precision"] == precision and result["steps"] == 6 and result["skipped_steps"] == 0
+    return float(np.mean([r["loss"] for r in records[3:]]))
+
+
+@pytest.fixture(scope="module")
+def fp32_tail(tmp_path_factory):
+    return _low_precision_run(tmp_path_factory.mktemp("ranking_fp32") / "run", "fp32")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_grf_train_ranking_in_low_precision_with_accumulation(tmp_path, precision, fp32_tail):
+    """``grf train`` of the preset with a hash table, ``train.accumulate = 2`` and bf16 / fp16: 5
+    loader batches an epoch make 3 steps (the last of one batch); no step skipped (fp16 starts at a
+    loss scale of 1024, below the 8192-16384 that overflow here, so every run trains 6 steps); the
+    last epoch's mean loss within 1e-3 of fp32's (relative; measured 3e-5 bf16, 8e-5 fp16)."""
+    tail = _low_precision_run(tmp_path / "run", precision)
+    assert abs(tail - fp32_tail) <= 1e-3 * fp32_tail
