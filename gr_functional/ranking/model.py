@@ -246,7 +246,6 @@ def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> di
 
 def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     """``[c, K]`` logits of every candidate and task."""
-    xp = B.xp
     emb = _lookup(B, params["tables"], batch, cfg)
     item_emb = emb["items"]
     acts = action_bits(B, params["action_table"], batch.bitmask, cfg.action_weights)
