@@ -146,7 +146,6 @@ def test_gr_processed_file_trains(tmp_path):
     (["embedding.sharding=row", "embedding.optimizer=lazy_adam"], "embedding.sharding"),
     (["embedding.optimizer=lazy_adam"], "embedding.optimizer"),                  # a dense table, row-sparse
     (["embedding.kind=hash", "embedding.optimizer=lazy_adam", "ranking.merge_tables=false"], "ranking.merge_tables"),
-    (["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.staleness=1"], "embedding.staleness"),
     (["train.max_tokens=4000"], "train.max_tokens"),
     (["data.dataset=ml-1m"], "data.dataset")])
 def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
@@ -252,24 +251,28 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
 HASHED = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=150", "embedding.lr=0.001"]
 
 
-def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch, staleness):
     """A hash table far below the keys (150 rows for ~235 keys): it fills and evicts (counters in
-    metrics.jsonl), and a run SIGKILLed mid-epoch resumes to the same bytes, table state included."""
+    metrics.jsonl), and a run SIGKILLed mid-epoch resumes to the same bytes, table state included;
+    with embedding.staleness = 2 too (the two pending row updates are in the checkpoint)."""
     from tests.reliability import test_resume
 
+    hashed = [*HASHED, f"embedding.staleness={staleness}"]
     ref = tmp_path / "ref"
-    proc = _run(ref, *HASHED)
+    proc = _run(ref, *hashed)
     assert proc.returncode == 0, proc.stderr
     last = [m for m in metrics(ref) if m["kind"] == "train"][-1]["embedding"]["table"]
     assert last["occupancy"] == 150 and last["evictions"] > 0
     out = tmp_path / "run"
-    monkeypatch.setattr(test_resume, "grf_command", lambda out, *extra: _command(out, *HASHED, *extra))
+    monkeypatch.setattr(test_resume, "grf_command", lambda out, *extra: _command(out, *hashed, *extra))
     test_resume._run_until_fault(out, "after-step@7")
-    proc = _run(out, *HASHED)
+    proc = _run(out, *hashed)
     assert proc.returncode == 0, proc.stderr
     assert "resuming" in proc.stderr
     assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
     ck, want = (read_checkpoint(CheckpointDir(o / "checkpoints").steps()[0][1]) for o in (out, ref))
+    assert len(ck.opt_state.get("pending", [])) == staleness
     for (k, a), (_, b) in zip(tree_items({"p": ck.params, "o": ck.opt_state, "h": ck.host}),
                               tree_items({"p": want.params, "o": want.opt_state, "h": want.host})):
         assert np.array_equal(a, b), k

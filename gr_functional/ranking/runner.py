@@ -10,12 +10,13 @@ normaliser is the batch's longest sequence, so this is part of the protocol; GR 
 epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy at
 1K-user scale to select on); eval.json holds that epoch's test metrics.
 
-``backend.precision`` (bf16 / fp16 with fp32 master weights and, for fp16, loss scaling) and
-``train.accumulate`` (k loader batches per step, sharing the attention normaliser) run through
+``backend.precision`` (bf16 / fp16 with fp32 master weights and, for fp16, loss scaling),
+``train.accumulate`` (k loader batches per step, sharing the attention normaliser) and, with hash
+tables, ``embedding.staleness`` (row updates applied k steps late) run through
 ``train.make_train_step``, the retrieval step, on ``ranking_objective``.
 
 Not yet supported here, refused by name in ``config.validate``: row-sharded tables, more than one
-process, token budgets, bounded staleness.
+process, token budgets.
 """
 from __future__ import annotations
 
