@@ -74,32 +74,30 @@ def _remove_stale_lock(cpp_extension) -> None:
     """Remove torch's build lock when it is older than ``_STALE_LOCK_S``.
 
     Two processes may find the same stale lock at once, and one may remove it and start a build
-    (a fresh lock at the same path) before the other acts. So the lock judged stale is first
-    renamed to a name of this process' own (atomic) and deleted only if what was renamed is still
-    stale; a fresh lock caught by the rename is linked back at once."""
+    (a fresh lock at the same path) before the other acts. So the processes clearing stale locks
+    take turns (an exclusive ``flock`` on ``lock.reap`` beside it), and each judges the lock's age
+    again once it holds the turn: a fresh lock is never removed, and nothing else can replace the
+    stale one in the meantime (torch creates its lock only where none exists)."""
+    import fcntl
     import time
     import warnings
 
     try:  # a private helper of torch's: where it moves, the lock is left alone
         lock = os.path.join(cpp_extension._get_build_directory(_NAME, verbose=False), "lock")
-        age = time.time() - os.path.getmtime(lock)
+        if time.time() - os.path.getmtime(lock) <= _STALE_LOCK_S:
+            return
+        reaper = open(lock + ".reap", "a")
     except OSError:
         return
-    if age <= _STALE_LOCK_S:
-        return
-    moved = f"{lock}.stale.{os.getpid()}"
-    try:
-        os.rename(lock, moved)
-    except OSError:  # another process removed it first
-        return
-    if time.time() - os.path.getmtime(moved) <= _STALE_LOCK_S:  # a fresh lock: back to its builder
+    with reaper:
+        fcntl.flock(reaper, fcntl.LOCK_EX)  # released when the file closes
         try:
-            os.link(moved, lock)
-        except OSError:  # yet another build holds the path now; the fresh lock's owner releases it
-            pass
-        os.remove(moved)
-        return
-    os.remove(moved)
+            age = time.time() - os.path.getmtime(lock)
+            if age <= _STALE_LOCK_S:
+                return
+            os.remove(lock)
+        except OSError:  # removed by the process before us
+            return
     warnings.warn(f"cpu_fused ops: removed {lock}, left {age / 60:.0f} min ago by a build that did "
                   f"not finish", stacklevel=3)
 

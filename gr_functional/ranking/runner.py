@@ -64,6 +64,7 @@ def ranking_objective(cfg: Config) -> Objective:
 
     def loss(P, params, batch):
         logits = ranking_logits(P, sparse.model_params(params, mc) if hashed else params, batch, mc)
+        # the BCE in the master dtype (in fp32 the cast copies a [c, K] array: not worth a branch)
         return multitask_loss(P, P.cast(logits, P.dtype_name), batch.labels, batch.cand_mask)[0]
 
     return Objective(loss=loss, tokens=lambda B, batch: B.xp.sum(batch.cand_mask), cast_batch=_cast_ranking_batch)
@@ -229,14 +230,17 @@ def param_shapes(cfg: Config) -> dict:
 def check_ranking_fits(cfg: Config) -> int:
     """``ConfigError`` naming the key to change when the parameters, their gradients and AdamW's
     two moments (16 bytes per parameter, the tables dominating: GR's defaults hold 7 tables of 10M
-    rows, 70M x 256 x 16 B = 287 GB) exceed the available memory; returns that byte count.
-    Activations are left out (small at these widths next to the tables)."""
+    rows, 70M x 256 x 16 B = 287 GB), plus 4 B for the running gradient sum of ``train.accumulate``
+    > 1 and 4 B for bf16 / fp16's 16-bit copies of the parameters and their gradients, exceed the
+    available memory; returns that byte count. Activations are left out (small at these widths
+    next to the tables)."""
     from ..memory import ENV_LIMIT, available_bytes
     from .model import _feature_sizes
 
     mc = cfg.ranking
     shapes = param_shapes(cfg)
-    need = 16 * sum(int(np.prod(s)) for s in shapes.values())
+    per_param = 16 + 4 * (cfg.train.accumulate > 1) + 4 * (cfg.backend.precision != "fp32")
+    need = per_param * sum(int(np.prod(s)) for s in shapes.values())
     avail, source = available_bytes()
     if avail is None or need <= avail:
         return need
@@ -304,7 +308,7 @@ def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restor
     host = make_host(cfg)
     if restored is not None:
         params = B.asarray_tree(restored.params)
-        opt_state = B.asarray_tree(restored.opt_state)
+        opt_state = runner._restore_opt_state(B, restored.opt_state, cfg)   # fp16's scaler follows the precision
         if host is not None:
             host.load_state_dict(((restored.host or {}).get("embedding")) or runner._missing_host(restored))
         state = runner.RunState.from_meta(restored.meta["run"])

@@ -39,6 +39,26 @@ def rel_err(a, ref) -> float:
     return float(diff / scale) if scale > 0 else float(diff)
 
 
+def finite_grads(B, fn, params, state, batch, what: str, tries: int = 16):
+    """``(loss, tokens, {path: grad})`` of ``fn = train.micro_grads`` at the first loss scale,
+    halved from ``state``'s as the dynamic scaler would after an fp16 overflow, whose gradients
+    are all finite; they must be fp32 (master gradients)."""
+    import pytest
+
+    from gr_functional.tree import tree_items
+
+    for _ in range(tries):
+        loss, tokens, grads = fn(params, state, batch)
+        grads = dict(tree_items(B.to_numpy_tree(grads)))
+        if all(np.isfinite(g).all() for g in grads.values()):
+            assert all(g.dtype == np.float32 for g in grads.values())
+            return loss, tokens, grads
+        if "loss_scale" not in state:
+            break
+        state["loss_scale"]["scale"] = state["loss_scale"]["scale"] * 0.5
+    pytest.fail(f"gradients are not finite: {what}")
+
+
 def tree_cosine(a: dict, b: dict) -> float:
     """Cosine between two flat ``{path: array}`` trees (all leaves concatenated, float64)."""
     x = np.concatenate([np.ravel(a[k]) for k in sorted(a)]).astype(np.float64)

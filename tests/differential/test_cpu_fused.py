@@ -321,9 +321,11 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert not os.path.exists(lock)
 
 
-def test_a_fresh_lock_that_replaced_the_stale_one_is_given_back(tmp_path, monkeypatch):
+def test_a_fresh_lock_that_replaced_the_stale_one_is_kept(tmp_path, monkeypatch):
     """Two processes find the same stale lock; the first removes it and starts a build (a fresh
-    lock) before the second renames 'the stale lock' away: the second must hand the fresh one back."""
+    lock) while the second waits for its turn: the second must judge the lock again and keep it."""
+    import fcntl
+
     from torch.utils import cpp_extension
 
     from backends import cpu_fused
@@ -332,15 +334,14 @@ def test_a_fresh_lock_that_replaced_the_stale_one_is_given_back(tmp_path, monkey
     lock = os.path.join(cpp_extension._get_build_directory(cpu_fused._NAME, verbose=False), "lock")
     open(lock, "w").close()
     os.utime(lock, (0, os.path.getmtime(lock) - cpu_fused._STALE_LOCK_S - 60))
-    real_rename = os.rename
+    real_flock = fcntl.flock
 
-    def other_process_got_there_first(src, dst):
-        os.remove(src)
-        open(src, "w").close()  # its build's lock, fresh
-        real_rename(src, dst)
+    def other_process_went_first(fd, op):
+        os.remove(lock)
+        open(lock, "w").close()  # its build's lock, fresh
+        real_flock(fd, op)
 
-    monkeypatch.setattr(cpu_fused.os, "rename", other_process_got_there_first)
+    monkeypatch.setattr(fcntl, "flock", other_process_went_first)
     cpu_fused._remove_stale_lock(cpp_extension)
-    monkeypatch.setattr(cpu_fused.os, "rename", real_rename)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
     assert os.path.exists(lock)
-    assert os.listdir(os.path.dirname(lock)) == ["lock"]

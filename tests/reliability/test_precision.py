@@ -27,7 +27,7 @@ from gr_functional.config import BackendConfig, Config, OptimConfig, TrainConfig
 from gr_functional.train import init_opt_state, make_train_step, micro_grads
 from gr_functional.tree import tree_items
 
-from ..differential.common import rel_err, tree_cosine
+from ..differential.common import finite_grads, rel_err, tree_cosine
 from ..differential.test_model import BATCH_CASES, CFG, NEGATIVES
 
 TOL = {"bf16": {"loss": 1e-2, "grad": 0.1, "cos": 0.999},
@@ -49,20 +49,6 @@ def fixed_cap_batch(case, seed):
     times = [np.cumsum(rng.integers(0, 10**6, n)) + 10**9 for n in events]
     return make_batch(histories, times, CFG, rng=rng, num_items=CFG.num_items, b_cap=8, t_cap=64,
                       negatives=NEGATIVES)
-
-
-def finite_grads(B, fn, params, state, batch, what: str, tries: int = 16):
-    """``(loss, tokens, {path: grad})`` of ``fn = micro_grads`` at the first loss scale, halved
-    from ``state``'s as the dynamic scaler would after an fp16 overflow, whose gradients are all
-    finite; they must be fp32 (master gradients)."""
-    for _ in range(tries):
-        loss, tokens, grads = fn(params, state, batch)
-        grads = dict(tree_items(B.to_numpy_tree(grads)))
-        if all(np.isfinite(g).all() for g in grads.values()):
-            assert all(g.dtype == np.float32 for g in grads.values())
-            return loss, tokens, grads
-        state["loss_scale"]["scale"] = state["loss_scale"]["scale"] * 0.5
-    pytest.fail(f"gradients are not finite: {what}")
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])
