@@ -657,7 +657,6 @@ RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-ran
 # what the ranking task does not do yet: (section, key, value it must keep, why)
 _RANKING_REFUSES = (
     ("embedding", "sharding", "replicated", "it trains in one process so far"),
-    ("train", "max_tokens", 0, "its batches hold train.batch_size users"),
     ("dist", "nproc", 1, "it trains in one process so far"),
 )
 

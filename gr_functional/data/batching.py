@@ -174,6 +174,22 @@ def _pairs(source) -> Iterator:
         yield before[0], (before[1], None)
 
 
+def consecutive_batches(order: np.ndarray, tokens: np.ndarray, batch_size: int, max_tokens: int = 0) -> list:
+    """``order`` cut into consecutive batches of ``batch_size``, or with ``max_tokens > 0`` of as
+    many entries as fit that many ``tokens[entry]`` (at most ``batch_size``; an entry alone may not
+    fit, the loaders refuse such budgets)."""
+    if not max_tokens:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    steps, start, total = [], 0, 0
+    for i, t in enumerate(tokens[order].tolist()):
+        if i > start and (total + t > max_tokens or i - start >= batch_size):
+            steps.append(order[start:i])
+            start, total = i, 0
+        total += t
+    steps.append(order[start:])
+    return steps
+
+
 class TrainLoader:
     """Epochs of training batches over the users of ``data`` (use ``leave_one_out(...).train``).
 
@@ -273,17 +289,7 @@ class TrainLoader:
         order = np.random.default_rng((self.seed, epoch)).permutation(self.num_users)
         if self.split is not None and self.split.policy == "lookahead":
             return self._plan_lookahead(epoch, order)
-        if not self.max_tokens:
-            steps = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        else:
-            steps, start, total = [], 0, 0
-            tokens = self.tokens[order].tolist()
-            for i, t in enumerate(tokens):
-                if i > start and (total + t > self.max_tokens or i - start >= self.batch_size):
-                    steps.append(order[start:i])
-                    start, total = i, 0
-                total += t
-            steps.append(order[start:])
+        steps = consecutive_batches(order, self.tokens, self.batch_size, self.max_tokens)
         self._plan_cache = (epoch, steps)
         return steps
 

@@ -27,6 +27,7 @@ import hashlib
 import numpy as np
 
 from ..errors import DataError
+from ..data.batching import consecutive_batches
 from ..data.prefetch import Prefetch, PrefetchStats, timed
 from ..data.sources.kuairand_ranking import SEQUENCE_COLUMNS, RankingSequences
 from .model import make_ranking_batch
@@ -112,35 +113,57 @@ def chronological_split(seqs: RankingSequences, num_candidates: int) -> RankingS
 
 
 class RankingLoader:
-    """Training batches of ``train.batch_size`` samples, shuffled per epoch by
-    ``default_rng((seed, epoch))``; batch b's dropout masks come from ``default_rng((seed, epoch,
-    b))``, so a resume from (epoch, b) rebuilds exactly the batches an uninterrupted run sees.
-    The last batch of an epoch may be smaller. ``position`` is (epoch, next batch)."""
+    """Training batches of ``train.batch_size`` samples, or, with ``max_tokens > 0``
+    (``train.max_tokens``), of as many consecutive samples as fit that many tokens (contextual,
+    history and candidates; at most ``batch_size``), shuffled per epoch by ``default_rng((seed,
+    epoch))``; batch b's dropout masks come from ``default_rng((seed, epoch, b))``, so a resume
+    from (epoch, b) rebuilds exactly the batches an uninterrupted run sees. The last batch of an
+    epoch may be smaller. ``position`` is (epoch, next batch)."""
 
-    def __init__(self, seqs: RankingSequences, samples: Samples, model_cfg, batch_size: int, seed: int):
+    def __init__(self, seqs: RankingSequences, samples: Samples, model_cfg, batch_size: int, seed: int,
+                 max_tokens: int = 0):
         self.seqs, self.samples, self.model_cfg = seqs, samples, model_cfg
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.max_tokens = batch_size, seed, int(max_tokens)
         self.position = (0, 0)
+        C = model_cfg.num_candidates
+        # a sample's tokens, as make_ranking_batch lays it out: contextual + history + candidates
+        self.tokens = model_cfg.contextual + np.minimum(np.asarray(samples.ends) - C, model_cfg.max_history) + C
+        if self.max_tokens and len(self.tokens) and self.max_tokens < int(self.tokens.max()):
+            raise DataError(f"train.max_tokens={self.max_tokens} is smaller than one training sample's "
+                            f"{int(self.tokens.max())} tokens; use train.max_tokens >= ranking.max_seq_len="
+                            f"{model_cfg.max_seq_len} or 0 (off)")
+        self._plan: tuple[int, list[np.ndarray]] | None = None
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        """The sample indices of each batch of ``epoch`` (a partition of the samples)."""
+        if self._plan is not None and self._plan[0] == epoch:
+            return self._plan[1]
+        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.samples))
+        steps = consecutive_batches(order, self.tokens, self.batch_size, self.max_tokens)
+        self._plan = (epoch, steps)
+        return steps
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-len(self.samples) // self.batch_size)
+        """Batches of the current epoch (the same for every epoch unless ``max_tokens`` is on)."""
+        return len(self.plan(self.position[0]))
 
     def state_dict(self) -> dict:
         return {"epoch": self.position[0], "batch": self.position[1], "samples": len(self.samples),
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "max_tokens": self.max_tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("samples") != len(self.samples) or state.get("batch_size") != self.batch_size:
+        if state.get("samples") != len(self.samples) or state.get("batch_size") != self.batch_size or \
+                state.get("max_tokens", 0) != self.max_tokens:
             raise DataError(f"the checkpoint's loader had {state.get('samples')} training samples in batches of "
-                            f"{state.get('batch_size')}; this data and config give {len(self.samples)} in batches of "
-                            f"{self.batch_size}: the data or train.batch_size changed (pass --fresh to start over)")
+                            f"{state.get('batch_size')} (max_tokens {state.get('max_tokens', 0)}); this data and "
+                            f"config give {len(self.samples)} in batches of {self.batch_size} (max_tokens "
+                            f"{self.max_tokens}): the data, train.batch_size or train.max_tokens changed (pass "
+                            f"--fresh to start over)")
         self.position = (int(state["epoch"]), int(state["batch"]))
 
     def _build(self, epoch: int, start: int):
-        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.samples))
-        for b in range(start, self.steps_per_epoch):
-            pick = order[b * self.batch_size:(b + 1) * self.batch_size]
+        for b, pick in enumerate(self.plan(epoch)[start:], start):
             rng = np.random.default_rng((self.seed, epoch, b))
             yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng,
                                         ends=self.samples.ends[pick])
@@ -151,8 +174,9 @@ class RankingLoader:
         items = self._build(epoch, start)
         source = Prefetch(items, prefetch, stats) if prefetch else timed(items, stats)
         try:
+            steps = len(self.plan(epoch))
             for b, batch in source:
-                done = b + 1 == self.steps_per_epoch
+                done = b + 1 == steps
                 self.position = (epoch + 1, 0) if done else (epoch, b + 1)
                 yield batch
         finally:

@@ -15,8 +15,8 @@ epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are 
 tables, ``embedding.staleness`` (row updates applied k steps late) run through
 ``train.make_train_step``, the retrieval step, on ``ranking_objective``.
 
-Not yet supported here, refused by name in ``config.validate``: row-sharded tables, more than one
-process, token budgets.
+``train.max_tokens`` fills each batch up to a token budget (RankingLoader). Not yet supported
+here, refused by name in ``config.validate``: row-sharded tables, more than one process.
 """
 from __future__ import annotations
 
@@ -267,7 +267,8 @@ def train_ranking(cfg: Config, out_dir: str | Path, progress: bool = True, resum
     seqs = load_ranking_data(cfg)
     splits = chronological_split(seqs, cfg.ranking.num_candidates)
     fp = fingerprint(seqs)
-    loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed)
+    loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed,
+                           max_tokens=cfg.train.max_tokens)
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
     user_hooks = [*named_hooks(cfg.train.hooks), *hooks]
     if cfg.train.tensorboard:
