@@ -7,7 +7,7 @@
     grf eval --checkpoint PATH [--backend B] [--split test|valid]
     grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
     grf data fetch ml-1m | grf data info
-    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|embedding|pipeline|pipeline_sharded|negatives [--json] ...
+    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
     grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
 
 Exit codes: 0 done, 2 user error (nothing written; also: the run folder is in use by another run),
@@ -211,7 +211,8 @@ BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "thr
               "dist_imbalance": "benchmarks.dist_imbalance", "embedding": "benchmarks.embedding",
               "pipeline": "benchmarks.pipeline", "negatives": "benchmarks.negatives", "stream": "benchmarks.stream",
               "scaling": "benchmarks.scaling", "compile": "benchmarks.compile", "roofline": "benchmarks.roofline",
-              "recompute": "benchmarks.recompute", "pipeline_sharded": "benchmarks.pipeline_sharded"}
+              "recompute": "benchmarks.recompute", "pipeline_sharded": "benchmarks.pipeline_sharded",
+              "ranking": "benchmarks.ranking"}
 
 
 def cmd_bench(args) -> int:

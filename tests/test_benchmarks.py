@@ -170,6 +170,23 @@ def test_negatives_bench_json(capsys):
     assert rows[2]["negative_bytes"] == 32 * 16 * 4 and rows[3]["negative_bytes"] == 32 * 16 * 2 + 4
 
 
+def test_ranking_bench_json(capsys):
+    """grf bench ranking: fp32 / bf16 / fp16 / accumulate 2 on the ranking preset's batches (tiny,
+    hash tables), fp32 the reference; an accumulated step holds two batches' candidates."""
+    from benchmarks import ranking
+    from gr_functional.config import load_config
+
+    from .test_ranking_train import PRESET, TINY
+
+    cfg = load_config(PRESET, TINY + ["embedding.kind=hash", "embedding.optimizer=lazy_adam",
+                                      "embedding.capacity=4000", "train.batch_size=8"])
+    rows = ranking.run(json_lines=True, cfg=cfg, backends=["torch"], steps=2, warmup=1)
+    assert _lines(capsys) == json.loads(json.dumps(rows))
+    assert [(r["precision"], r["accumulate"]) for r in rows] == list(ranking.VARIANTS)
+    assert rows[0]["vs_fp32"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["candidates"] == 8 * 10 and rows[3]["candidates"] == 2 * 8 * 10
+
+
 def test_stream_bench_json(capsys):
     """Training on a (small) KuaiRand-shaped stream with a hash table below its ids: the rows
     report throughput, RSS, the table filling to its capacity and evicting, and dedup."""
