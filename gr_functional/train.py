@@ -339,10 +339,10 @@ def train_step(B, params: dict, opt_state: dict, batch, cfg: Config, objective: 
 def make_train_step(B, cfg: Config, objective: Objective | None = None):
     """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``.
 
-    Computes ``train_step`` (of ``objective``, default the retrieval HSTU's). A single batch runs as one jitted program; micro-batches run one
-    jitted gradient program per micro-batch (compiled once per capacity) and a running sum, so
-    JAX never compiles a program per combination of micro-batch capacities and only one
-    gradient tree is held besides the sum.
+    Computes ``train_step`` (of ``objective``, default the retrieval HSTU's). A single batch runs
+    as one jitted program; micro-batches run one jitted gradient program per micro-batch (compiled
+    once per capacity) and a running sum, so JAX never compiles a program per combination of
+    micro-batch capacities and only one gradient tree is held besides the sum.
     """
     whole = B.jit(partial(train_step, B, cfg=cfg, objective=objective))
     grads_fn = B.jit(partial(micro_grads, B, cfg=cfg, objective=objective))
