@@ -137,6 +137,9 @@ class Backend:
     # backend.attention_recompute: autograd keeps only the attention's inputs; backward recomputes
     # its score tiles (with_attention_recompute)
     attention_recompute = False
+    # does every new array shape compile a new program (JAX's jit)? Host batch builders then pad
+    # to the capacity ladder (a bounded set of programs) instead of exact sizes (less work)
+    static_shapes = False
     # may index arrays made inside a ``checkpoint``ed function serve later calls (AttentionBias.memo)?
     # Not where checkpoint traces the function apart (JAX: they would be tracers of that trace).
     checkpoint_keeps_memo = False
@@ -566,7 +569,8 @@ class Backend:
 
         so history tokens attend causally, each candidate attends the whole history and itself but
         no other candidate, and nothing attends a candidate. ``norm_len``: GR divides by the
-        batch's padded length (no softmax, no per-row normaliser)."""
+        batch's padded length (no softmax, no per-row normaliser): an int, or a 0-d float array
+        (a value, so batches of different lengths share one compiled program)."""
         xp = self.xp
         L, Bc = layout.max_len, layout.b_cap
         pos = xp.arange(L, dtype=xp.int32, device=self.array_device)
@@ -593,8 +597,12 @@ class Backend:
             scores = scores + xp.reshape(rab, (-1, 1, L, L))
         j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L))
         valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1))
-        mask = xp.astype(xp.logical_and(allowed, valid_j), scores.dtype)         # [B, L, L]
-        probs = self.silu(scores) * (xp.reshape(mask, (Bc, 1, L, L)) / norm_len)
+        mask = xp.reshape(xp.astype(xp.logical_and(allowed, valid_j), scores.dtype), (Bc, 1, L, L))
+        if isinstance(norm_len, (int, float)):
+            mask = mask / norm_len
+        else:   # an array: 1/N in its float32, then the compute dtype (mask is 0/1: as exact as dividing)
+            mask = mask * xp.astype(1.0 / norm_len, scores.dtype)
+        probs = self.silu(scores) * mask
         out = xp.permute_dims(xp.matmul(probs, vd), (0, 2, 1, 3))                # [B, L, H, dv]
         real = layout.seq_id < Bc
         flat_idx = xp.where(real, layout.seq_id * L + layout.pos, xp.zeros_like(layout.pos))

@@ -43,6 +43,7 @@ def _register_dataclasses(tree: Any) -> None:
 
 class JaxBackend(Backend):
     name = "jax"
+    static_shapes = True    # jit compiles one program per input shape
 
     def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
                  row_kernel: str = "default"):

@@ -72,16 +72,6 @@ class Jagged:
         chunks (host only: built in numpy from ``offsets``)."""
         return dataclasses.replace(self, tiles=TilePlan.build(self, tile, p_cap=p_cap, nc_cap=nc_cap))
 
-    def with_max_len(self, max_len: int) -> "Jagged":
-        """This layout with ``max_len`` widened (host only): ``dense_index`` padded with ``T_cap``.
-        Where ``max_len`` is a normaliser (dlrm_v3's attention divides by it), micro-batches of
-        one accumulated step share their group's."""
-        if max_len < self.max_len:
-            raise JaggedError(f"with_max_len({max_len}) is below this layout's max_len={self.max_len}")
-        pad = np.full((self.b_cap, max_len - self.max_len), self.t_cap, dtype=INDEX_DTYPE)
-        return dataclasses.replace(self, dense_index=np.concatenate([np.asarray(self.dense_index), pad], axis=1),
-                                   max_len=int(max_len))
-
     @property
     def t_cap(self) -> int:
         return int(self.values.shape[0])

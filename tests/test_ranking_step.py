@@ -42,19 +42,38 @@ def _seqs(seed=0):
     return synthetic_ranking(24, 300, 60, seed=seed, min_events=31)
 
 
+def _float64_cfg(tables: str):
+    """float64, Adam's eps 1e3 with lr 1e3 (no weight decay): the first step is then -g to 1e-3 of
+    g, so the updated parameters compare gradients, not their signs."""
+    extra = HASH + ["embedding.lr=1000"] if tables == "hash" else []
+    return load_config(PRESET, TINY + extra + ["backend.dtype=float64", "train.accumulate=2", "optim.eps=1000",
+                                               "optim.lr=1000", "optim.weight_decay=0"])
+
+
+def _one_step(B, cfg, batches):
+    """``(loss, {path: updated parameter})`` of one step from the initial parameters on the host
+    ``batches`` (one, or the micro-batches of an accumulated step)."""
+    from gr_functional.ranking import sparse
+
+    host = make_host(cfg)
+    if host is not None:
+        batches, _ = sparse.prepare(host, batches, 1)
+    params = B.asarray_tree(init_params(cfg, host))
+    assert all(leaf.dtype == np.float64 for _, leaf in tree_items(B.to_numpy_tree(params)))
+    dev = [B.asarray_tree(b) for b in batches]
+    params, _, m = make_ranking_step(B, cfg)(params, init_opt_state(B, params, cfg), dev if len(dev) > 1 else dev[0])
+    assert bool(m["finite"])
+    return float(m["loss"]), dict(tree_items(B.to_numpy_tree(params)))
+
+
 @pytest.mark.parametrize("tables", ["dense", "hash"])
 def test_accumulated_micro_batches_are_one_batch_of_all_their_users(tables):
     """train.accumulate = 2 in float64: micro-batches of 5 and 8 users (different longest sequences
     and candidate counts) give the loss and the updated parameters (hash rows included) of one
     batch of the 13 users,
     to 1e-10, because they share the group's attention normaliser (``shared_norm``); each with its
-    own normaliser they would not. Adam's eps (1e3, lr 1e3, no weight decay) dominates its first
-    step, which is then -g to 1e-3 of g: the parameters compare gradients, not their signs."""
-    from gr_functional.ranking import sparse
-
-    extra = HASH + ["embedding.lr=1000"] if tables == "hash" else []
-    cfg = load_config(PRESET, TINY + extra + ["backend.dtype=float64", "train.accumulate=2", "optim.eps=1000",
-                                              "optim.lr=1000", "optim.weight_decay=0"])
+    own normaliser they would not (``_float64_cfg``: the parameters compare gradients)."""
+    cfg = _float64_cfg(tables)
     B = make_backend(cfg)
     seqs = _seqs()
     train = chronological_split(seqs, cfg.ranking.num_candidates).train
@@ -64,39 +83,80 @@ def test_accumulated_micro_batches_are_one_batch_of_all_their_users(tables):
     micro = [make_ranking_batch(seqs, train.users[i], cfg.ranking, ends=train.ends[i]) for i in picks]
     whole = make_ranking_batch(seqs, np.concatenate([train.users[i] for i in picks]), cfg.ranking,
                                ends=np.concatenate([train.ends[i] for i in picks]))
-    assert micro[0].layout.max_len < micro[1].layout.max_len == whole.layout.max_len
+    assert micro[0].norm_len < micro[1].norm_len == whole.norm_len == whole.layout.max_len
 
-    def one_step(batches):
-        host = make_host(cfg)
-        if host is not None:
-            batches, _ = sparse.prepare(host, batches, 1)
-        params = B.asarray_tree(init_params(cfg, host))
-        assert all(leaf.dtype == np.float64 for _, leaf in tree_items(B.to_numpy_tree(params)))
-        dev = [B.asarray_tree(b) for b in batches]
-        params, _, m = make_ranking_step(B, cfg)(params, init_opt_state(B, params, cfg), dev if len(dev) > 1 else dev[0])
-        assert bool(m["finite"])
-        return float(m["loss"]), dict(tree_items(B.to_numpy_tree(params)))
-
-    loss_acc, acc = one_step(shared_norm(micro))
-    loss_one, one = one_step([whole])
+    loss_acc, acc = _one_step(B, cfg, shared_norm(micro))
+    loss_one, one = _one_step(B, cfg, [whole])
     assert abs(loss_acc - loss_one) <= 1e-12 * abs(loss_one)
     for key, want in one.items():
         assert rel_err(acc[key], want) <= 1e-10, key
-    _, own = one_step(micro)                                  # each micro-batch its own normaliser
+    _, own = _one_step(B, cfg, micro)                         # each micro-batch its own normaliser
     assert max(rel_err(own[key], want) for key, want in one.items()) > 1e-4
+
+
+@pytest.mark.parametrize("tables", ["dense", "hash"])
+def test_padded_batches_train_what_exact_ones_do(tables):
+    """``make_ranking_batch(pad=True)`` (what a ``static_shapes`` backend, JAX, trains and scores
+    on: every size a ladder capacity) against the exact batch, float64, dropout on: 5 users (a
+    padding user, padding item tokens and candidates, a wider attention) give the same real
+    logits, loss and updated parameters (hash rows included) to 1e-10."""
+    from gr_functional.jagged import round_up_capacity
+    from gr_functional.ranking.model import ranking_logits
+
+    cfg = _float64_cfg(tables)
+    B = make_backend(cfg)
+    seqs = _seqs()
+    train = chronological_split(seqs, cfg.ranking.num_candidates).train
+    lengths = np.minimum(train.ends, cfg.ranking.max_history + cfg.ranking.num_candidates)
+    short, middle = np.unique(lengths)[:2]                      # 26 and 36 tokens: the longest is below the cap
+    pick = np.concatenate([np.flatnonzero(lengths == short)[:4], np.flatnonzero(lengths == middle)[:1]])
+    exact, padded = (make_ranking_batch(seqs, train.users[pick], cfg.ranking, np.random.default_rng(3),
+                                        ends=train.ends[pick], pad=pad) for pad in (False, True))
+    real = 5 * cfg.ranking.num_candidates
+    assert exact.layout.b_cap == 5 and padded.layout.b_cap == 6 and len(padded.cand_mask) == 60
+    assert padded.layout.max_len > exact.layout.max_len == float(exact.norm_len) == float(padded.norm_len)
+    assert padded.layout.max_len == min(round_up_capacity(exact.layout.max_len, 1), cfg.ranking.max_seq_len)
+    assert len(padded.item_ids) > len(exact.item_ids) and padded.cand_mask[real:].sum() == 0
+    np.testing.assert_array_equal(padded.keep_input[:exact.layout.t_cap], exact.keep_input)
+    loss_exact, want = _one_step(B, cfg, [exact])
+    loss_padded, got = _one_step(B, cfg, [padded])
+    assert abs(loss_padded - loss_exact) <= 1e-12 * abs(loss_exact)
+    for key, ref in want.items():
+        assert rel_err(got[key], ref) <= 1e-10, key
+    if tables == "dense":
+        params = B.asarray_tree(init_params(cfg, None))
+        logits = [B.to_numpy(ranking_logits(B, params, B.asarray_tree(b), cfg.ranking)) for b in (exact, padded)]
+        assert rel_err(logits[1][:real], logits[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("max_tokens", [0, 800])
+def test_padding_bounds_the_batch_shapes_of_an_epoch(max_tokens):
+    """JAX compiles one program per batch shape: over an epoch of loader batches (16 samples of
+    26-80 tokens, or as many as fit 800 tokens), exact shapes take tens of distinct values (28 and
+    34 here), padded ones at most 4."""
+    cfg = load_config(PRESET, TINY + ["ranking.max_seq_len=80"])
+    seqs = synthetic_ranking(200, 300, 90, seed=0, min_events=31)
+    loader = RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 16, 7, max_tokens=max_tokens)
+
+    def shapes(batch):
+        return tuple(np.shape(v) for v in vars(batch).values() if hasattr(v, "shape")) + (batch.layout.max_len,)
+
+    exact = {shapes(b) for b in loader.epoch(0)}
+    padded = {shapes(b) for b in loader.epoch(0, pad=True)}
+    assert len(padded) <= 4 and len(exact) >= 5 * len(padded), (len(padded), len(exact))
 
 
 def test_the_runner_gives_each_step_one_normaliser():
     """``RankingSteps.batches`` (what ``grf train`` runs) groups train.accumulate loader batches
-    and widens each group to its longest sequence."""
+    and gives each group its longest sequence as the normaliser."""
     cfg = load_config(PRESET, TINY + ["train.accumulate=2", "ranking.max_seq_len=80"])  # no user at the cap
     seqs = _seqs()
     loader = RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 3, 7)   # 72 samples: 24 batches
-    own = [b.layout.max_len for b in loader.epoch(0)]
+    own = [float(b.norm_len) for b in loader.epoch(0)]
     steps = list(RankingSteps(make_backend(cfg), cfg, loader).batches(0, 0))
     assert [len(s) for s in steps] == [2] * 12 and any(own[i] != own[i + 1] for i in range(0, 24, 2))
     for i, group in enumerate(steps):
-        assert [b.layout.max_len for b in group] == [max(own[2 * i:2 * i + 2])] * len(group)
+        assert [float(b.norm_len) for b in group] == [max(own[2 * i:2 * i + 2])] * len(group)
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])

@@ -206,8 +206,9 @@ def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
 
 
 def test_ranking_steps_agree_between_torch_and_jax():
-    """Three training steps of the preset's (tiny) model from the same init and batches: the
-    torch and JAX trajectories agree (losses and every parameter) to float32 noise."""
+    """Three training steps of the preset's (tiny) model from the same init and batches, as
+    ``grf train`` builds them (JAX's padded to capacities, ``Backend.static_shapes``): the torch
+    and JAX trajectories agree (losses and every parameter) to float32 noise."""
     from gr_functional.ranking.runner import make_ranking_step
     from gr_functional.runner import make_backend
     from gr_functional.config import replace
@@ -215,10 +216,11 @@ def test_ranking_steps_agree_between_torch_and_jax():
 
     cfg = load_config(PRESET, TINY)
     seqs = synthetic_ranking(24, 300, 60, seed=0, min_events=31)
-    batches = list(RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 16, 7).epoch(0))[:3]
+    loader = RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 16, 7)
     runs = {}
     for name in ("torch", "jax"):
         B = make_backend(replace(cfg, backend={"name": name}))
+        batches = list(loader.epoch(0, pad=B.static_shapes))[:3]
         params = B.asarray_tree(init_ranking_params(cfg.ranking, seed=1))
         opt = init_opt_state(B, params, cfg)
         step, losses = make_ranking_step(B, cfg), []

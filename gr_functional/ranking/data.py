@@ -162,16 +162,18 @@ class RankingLoader:
                             f"--fresh to start over)")
         self.position = (int(state["epoch"]), int(state["batch"]))
 
-    def _build(self, epoch: int, start: int):
+    def _build(self, epoch: int, start: int, pad: bool):
         for b, pick in enumerate(self.plan(epoch)[start:], start):
             rng = np.random.default_rng((self.seed, epoch, b))
             yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng,
-                                        ends=self.samples.ends[pick])
+                                        ends=self.samples.ends[pick], pad=pad)
 
-    def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None):
+    def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None,
+              pad: bool = False):
         """The batches of ``epoch`` from batch ``start``, built ``prefetch`` ahead on a thread
-        (bitwise the synchronous batches); ``position`` advances as each is handed out."""
-        items = self._build(epoch, start)
+        (bitwise the synchronous batches); ``position`` advances as each is handed out. ``pad``:
+        shapes padded to capacities (``make_ranking_batch``; ``Backend.static_shapes``)."""
+        items = self._build(epoch, start, pad)
         source = Prefetch(items, prefetch, stats) if prefetch else timed(items, stats)
         try:
             steps = len(self.plan(epoch))

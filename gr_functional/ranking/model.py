@@ -20,7 +20,7 @@ import numpy as np
 from ..config import RankingConfig
 from ..data.sources.kuairand_ranking import CONTEXT_FEATURES
 from ..embedding.collection import FeatureSpec, plan_tables
-from ..jagged import Jagged
+from ..jagged import Jagged, round_up_capacity
 from ..model import xavier_normal, xavier_uniform
 from .encoding import add_position_time, position_indices, time_buckets
 from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
@@ -121,9 +121,12 @@ def _init_tables(cfg: RankingModelConfig, rng: np.random.Generator) -> dict:
 @dataclasses.dataclass
 class RankingBatch:
     """Host arrays of one batch (``B.asarray_tree`` moves them). ``n`` item tokens (history and
-    candidates, user after user), ``c`` candidates, ``T`` tokens in all, capacities padded:
+    candidates, user after user), ``c`` candidates, ``T`` tokens in all, ``B`` users, each padded
+    to its capacity (``make_ranking_batch``; padding users have no tokens, padding candidates
+    ``cand_mask`` 0):
 
-      layout            Jagged over the T tokens (max_len = the batch's longest sequence: GR's N)
+      layout            Jagged over the T tokens (``max_len`` >= the batch's longest sequence)
+      norm_len          0-d float32: GR's attention normaliser N, the batch's longest sequence
       item_ids[n]       rows of video ids in their table (``table_plan``);  bitmask[n] action bits
                         (0 for candidates);  is_cand[n, 1]
       ctx_ids[B, S]     each contextual feature's row in its table
@@ -148,18 +151,26 @@ class RankingBatch:
     cand_feats: Any
     labels: Any
     cand_mask: Any
+    norm_len: Any = None
     keep_input: Any = None
     keep_layers: Any = None
     lookup: Any = None      # hash tables (ranking/sparse.py): the step's rows; ids above are then local
 
 
 def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
-                       ends=None) -> RankingBatch:
+                       ends=None, pad: bool = False) -> RankingBatch:
     """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
     ``rng`` draws the dropout masks (None: evaluation, no dropout). ``ends[i]`` (default: every
     user's length) cuts user i's sequence at that event: its candidates are the ``num_candidates``
     events before it (a chronological split's training and validation samples). A user needs
-    more events than ``num_candidates`` (GR skips the others too)."""
+    more events than ``num_candidates`` (GR skips the others too).
+
+    Shapes: exact (users, item tokens, candidates; the attention width is the longest sequence),
+    tokens padded to the capacity ladder; with ``pad`` (``Backend.static_shapes``: JAX compiles a
+    program per shape) every size is a ladder capacity (users, tokens, the attention width up to
+    ``max_seq_len``; item tokens and candidates follow), so an epoch needs a few programs, not
+    one per batch. The real candidates come first; the normaliser ``norm_len`` and the dropout
+    masks of the real tokens are the same either way, so is every real candidate's logit."""
     S, C = cfg.contextual, cfg.num_candidates
     if len(users) == 0:
         raise ValueError("make_ranking_batch needs at least one user")
@@ -186,39 +197,53 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         cand_items.append(v[cand])
         cand_bits.append(seq["action_weights"][cand])
         query.append(np.full(C, q))
-    B_cap, T = len(users), int(sum(lengths))
+    n_users, T, longest = len(users), int(sum(lengths)), int(max(lengths))
+    n = T - n_users * S                                                 # item tokens
+    t_exact = round_up_capacity(T)
+    if pad:
+        b_cap = round_up_capacity(n_users, 1)
+        t_cap = round_up_capacity(b_cap * S + n)                        # padding users' contextual rows too
+        width = max(longest, min(round_up_capacity(longest, 1), cfg.max_seq_len))
+    else:
+        b_cap, t_cap, width = n_users, t_exact, longest
+    n_cap, c_cap = t_cap - b_cap * S if pad else n, b_cap * C
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    layout = Jagged.from_offsets(np.zeros(T, np.int32), offsets, max_len=int(max(lengths)), b_cap=B_cap)
-    t_cap = layout.t_cap
+    layout = Jagged.from_offsets(np.zeros(T, np.int32), offsets, max_len=width, b_cap=b_cap, t_cap=t_cap)
     ctx = np.stack([np.concatenate([[seqs.users[u]], [seqs.context[name][u] for name in CONTEXT_FEATURES]])
                     for u in users]) % np.asarray(cfg.context_tables)
     starts = _feature_rows(cfg)
     ctx = ctx + np.asarray([starts[f][1] for f in ID_FEATURES[1:]])                 # rows of their tables
     video_start = starts["video_id"][1]
-    cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(B_cap)])
+    cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(n_users)])
     timestamps = np.concatenate(times)
 
-    def pad(x, size, fill=0):
+    def fill(x, size, value=0):
         x = np.asarray(x)
-        return np.concatenate([x, np.full((size - len(x),) + x.shape[1:], fill, x.dtype)])
+        return np.concatenate([x, np.full((size - len(x),) + x.shape[1:], value, x.dtype)])
 
     keep_input = keep_layers = None
     if rng is not None:
-        keep_input = (rng.random((t_cap, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
-        keep_layers = (rng.random((cfg.num_layers, t_cap, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
+        # drawn at the exact layout's capacity whatever the padding: the same masks on the real tokens
+        keep_input = (rng.random((t_exact, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
+        keep_layers = (rng.random((cfg.num_layers, t_exact, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
             1.0 - cfg.linear_dropout)
-        keep_input, keep_layers = keep_input.astype(np.float32), keep_layers.astype(np.float32)
+        keep_input = fill(keep_input.astype(np.float32), t_cap, 1.0)
+        keep_layers = np.stack([fill(k, t_cap, 1.0) for k in keep_layers.astype(np.float32)])
     item_lengths = [l - S for l in lengths]
     return RankingBatch(
-        layout=layout, item_ids=(np.concatenate(items) + video_start).astype(np.int32), bitmask=np.concatenate(bits).astype(np.int32),
-        is_cand=np.concatenate(cand_flag).astype(np.float32)[:, None], ctx_ids=ctx.astype(np.int32),
-        source=assembly_index(B_cap, S, item_lengths, t_cap),
-        pos_idx=pad(position_indices(lengths, targets, S, cfg.position_buckets), t_cap).astype(np.int32),
-        time_idx=pad(time_buckets(timestamps, offsets, cfg.cap), t_cap).astype(np.int32),
-        num_targets=np.asarray(targets, np.int32), cand_rows=cand_rows.astype(np.int32),
-        cand_items=(np.concatenate(cand_items) + video_start).astype(np.int32),
-        cand_feats=time_features(np.concatenate(query)), labels=task_labels(np.concatenate(cand_bits), cfg.action_weights),
-        cand_mask=np.ones(len(cand_rows), np.float32), keep_input=keep_input, keep_layers=keep_layers)
+        layout=layout, norm_len=np.asarray(longest, np.float32),
+        item_ids=fill(np.concatenate(items) + video_start, n_cap).astype(np.int32),
+        bitmask=fill(np.concatenate(bits), n_cap).astype(np.int32),
+        is_cand=fill(np.concatenate(cand_flag), n_cap).astype(np.float32)[:, None],
+        ctx_ids=fill(ctx, b_cap).astype(np.int32),
+        source=assembly_index(b_cap, S, item_lengths, t_cap, item_rows=n_cap),
+        pos_idx=fill(position_indices(lengths, targets, S, cfg.position_buckets), t_cap).astype(np.int32),
+        time_idx=fill(time_buckets(timestamps, offsets, cfg.cap), t_cap).astype(np.int32),
+        num_targets=fill(np.asarray(targets, np.int32), b_cap), cand_rows=fill(cand_rows, c_cap).astype(np.int32),
+        cand_items=fill(np.concatenate(cand_items) + video_start, c_cap).astype(np.int32),
+        cand_feats=fill(time_features(np.concatenate(query)), c_cap),
+        labels=fill(task_labels(np.concatenate(cand_bits), cfg.action_weights), c_cap),
+        cand_mask=fill(np.ones(len(cand_rows), np.float32), c_cap), keep_input=keep_input, keep_layers=keep_layers)
 
 
 def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> dict:
@@ -258,7 +283,7 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
         x = x * batch.keep_input
     for i in range(cfg.num_layers):
         keep = None if batch.keep_layers is None else batch.keep_layers[i]
-        x = stu_layer(B, params["stu"][f"layer{i}"], x, batch.layout, batch.num_targets, batch.layout.max_len,
+        x = stu_layer(B, params["stu"][f"layer{i}"], x, batch.layout, batch.num_targets, batch.norm_len,
                       cfg.heads, cfg.dqk, keep)
     x_cand = B.gather_rows(x, batch.cand_rows)
     user = postprocess(B, params["post"], x_cand, batch.cand_feats)
@@ -272,24 +297,26 @@ def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
 
 
 def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
-                     scorer=None, on_batch=None, transform=None) -> dict:
+                     scorer=None, on_batch=None, transform=None, pad: bool = False) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
     ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
     attention divides by the batch's longest sequence, so a user's logits depend on its batch-mates:
     ``batch_size`` (GR: 16) is part of the evaluation protocol. ``transform(batch)``, if given,
-    rewrites each host batch before scoring (hash tables: ids to rows)."""
+    rewrites each host batch before scoring (hash tables: ids to rows). ``pad``: batches padded to
+    capacities (``make_ranking_batch``; ``B.static_shapes``), the same metrics."""
     from ..data.ranking_metrics import task_metrics
 
     logits, labels, owners = [], [], []
     score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
     for s in range(0, len(users), batch_size):
         chunk = list(users[s:s + batch_size])
-        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size])
-        logits.append(B.to_numpy(score(params, B.asarray_tree(batch if transform is None else transform(batch)))))
+        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size], pad=pad)
+        real = len(chunk) * cfg.num_candidates                          # padding candidates come last
+        logits.append(B.to_numpy(score(params, B.asarray_tree(batch if transform is None else transform(batch))))[:real])
         if on_batch is not None:
             on_batch()
-        labels.append(batch.labels)
+        labels.append(batch.labels[:real])
         owners.append(np.repeat(np.asarray(seqs.users)[chunk], cfg.num_candidates))
     names = TASKS[:len(cfg.action_weights)]
     out = task_metrics(np.concatenate(logits), np.concatenate(labels), np.concatenate(owners),

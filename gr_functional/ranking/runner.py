@@ -100,13 +100,13 @@ def init_params(cfg: Config, host) -> dict:
 
 def shared_norm(micro: list) -> list:
     """The micro-batches of one accumulated step with their group's attention normaliser: GR's
-    STU divides by the batch's longest sequence (``layout.max_len``), so each micro-batch's layout
-    is widened to the longest of the group, and k micro-batches give the step of the one batch
-    holding all their users (tested)."""
+    STU divides by the batch's longest sequence (``norm_len``), so each micro-batch takes the
+    longest of the group, and k micro-batches give the step of the one batch holding all their
+    users (tested)."""
     if len(micro) < 2:
         return micro
-    norm = max(b.layout.max_len for b in micro)
-    return [dataclasses.replace(b, layout=b.layout.with_max_len(norm)) for b in micro]
+    norm = max(np.asarray(b.norm_len) for b in micro)
+    return [dataclasses.replace(b, norm_len=norm) for b in micro]
 
 
 class RankingSteps:
@@ -122,7 +122,8 @@ class RankingSteps:
         self.fn = make_ranking_step(B, cfg)
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
-        batches = self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats)
+        batches = self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats,
+                                    pad=self.B.static_shapes)
         return itertools.islice((shared_norm(group) for group in step_groups(batches, self.k)), limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
@@ -179,7 +180,7 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
     n = cfg.eval.max_users or len(samples)                   # the first eval.max_users samples (0: all)
     return summarise(evaluate_ranking(B, params, seqs, samples.users[:n], cfg.ranking, cfg.eval.batch_size,
                                       ends=samples.ends[:n], scorer=finite_scorer, on_batch=on_batch,
-                                      transform=transform))
+                                      transform=transform, pad=B.static_shapes))
 
 
 class RankingEvaluation(Evaluation):

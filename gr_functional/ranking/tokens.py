@@ -75,14 +75,16 @@ def assemble(B, ctx, items, source):
     return B.gather_rows(stacked, source)
 
 
-def assembly_index(num_users: int, contextual: int, item_lengths, t_cap: int) -> np.ndarray:
+def assembly_index(num_users: int, contextual: int, item_lengths, t_cap: int, item_rows: int | None = None) -> np.ndarray:
     """The host index of ``assemble``: user b's S contextual rows, then its ``item_lengths[b]``
-    item rows (items stored user after user), ``[t_cap]`` int32 padded with the zero row."""
+    item rows (items stored user after user), ``[t_cap]`` int32 padded with the zero row.
+    ``num_users`` (>= len(item_lengths)) users' contextual rows and ``item_rows`` (default
+    ``sum(item_lengths)``) item rows precede the zero row: the capacities of a padded batch."""
     item_lengths = np.asarray(item_lengths, np.int64)
     ctx_rows = num_users * contextual
     starts = np.concatenate([[0], np.cumsum(item_lengths)[:-1]]) if len(item_lengths) else np.zeros(0, np.int64)
     parts = [np.concatenate([b * contextual + np.arange(contextual), ctx_rows + starts[b] + np.arange(n)])
              for b, n in enumerate(item_lengths)]
     index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    pad = ctx_rows + int(item_lengths.sum())
+    pad = ctx_rows + (int(item_lengths.sum()) if item_rows is None else item_rows)
     return np.concatenate([index, np.full(t_cap - len(index), pad)]).astype(np.int32)
