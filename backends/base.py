@@ -558,7 +558,7 @@ class Backend:
         causal = xp.reshape(pos, (1, -1, 1)) >= xp.reshape(pos, (1, 1, -1))
         return self._padded_attention(q, k, v, layout, causal, norm_len, rab=self.relative_bias(layout, norm_len, bias))
 
-    def stu_attention(self, q, k, v, layout: Jagged, num_targets, norm_len: int, alpha: float):
+    def stu_attention(self, q, k, v, layout: Jagged, num_targets, norm_len, alpha: float):
         """Target-aware HSTU attention of generative-recommenders' dlrm_v3 ranking model (its
         PyTorch kernel ``pytorch_hstu_mha`` with ``causal=True`` and ``num_targets``), padded
         reference. q[T, H, dqk], k[T, H, dqk], v[T, H, dv], ``num_targets[B_cap]`` int32 (the
@@ -579,9 +579,10 @@ class Backend:
                                 xp.reshape(r, (Bc, L, 1)) > xp.reshape(r, (Bc, 1, L)))
         return self._padded_attention(q, k, v, layout, allowed, norm_len, alpha=alpha)
 
-    def _padded_attention(self, q, k, v, layout: Jagged, allowed, norm_len: int, alpha: float = 1.0, rab=None):
+    def _padded_attention(self, q, k, v, layout: Jagged, allowed, norm_len, alpha: float = 1.0, rab=None):
         """The padded SiLU attention both references share: ``SiLU(alpha q.k + rab) / norm_len``
-        on the pairs ``allowed[B | 1, L, L]`` (bool) permits, keys past a sequence's length never."""
+        on the pairs ``allowed[B | 1, L, L]`` (bool) permits, keys past a sequence's length never.
+        ``norm_len``: a number, or a 0-d backend array (``stu_attention``)."""
         xp = self.xp
         L, Bc = layout.max_len, layout.b_cap
         H = q.shape[1]
@@ -598,6 +599,8 @@ class Backend:
         j = xp.reshape(xp.arange(L, dtype=xp.int32, device=self.array_device), (1, 1, L))
         valid_j = j < xp.reshape(layout.lengths, (Bc, 1, 1))
         mask = xp.reshape(xp.astype(xp.logical_and(allowed, valid_j), scores.dtype), (Bc, 1, L, L))
+        if isinstance(norm_len, (np.ndarray, np.number)):
+            norm_len = norm_len.item()                 # a host value: a Python number
         if isinstance(norm_len, (int, float)):
             mask = mask / norm_len
         else:   # an array: 1/N in its float32, then the compute dtype (mask is 0/1: as exact as dividing)

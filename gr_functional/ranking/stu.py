@@ -40,9 +40,10 @@ def init_stu_params(dim: int, heads: int, dqk: int, dv: int, rng: np.random.Gene
             "w_out": xavier_uniform(rng, shapes["w_out"])}
 
 
-def stu_layer(B, p: dict, x, layout, num_targets, norm_len: int, heads: int, dqk: int, keep=None):
+def stu_layer(B, p: dict, x, layout, num_targets, norm_len, heads: int, dqk: int, keep=None):
     """One STU layer: ``x[T, D]`` -> ``[T, D]`` (module docstring). ``num_targets[B_cap]`` int32,
-    ``norm_len`` GR's N (the batch's padded length), ``keep[T, 3 H dv]`` the dropout mask already
+    ``norm_len`` GR's N (the batch's, or accumulated group's, longest real sequence: an int or a
+    0-d array, not the padded width ``layout.max_len``), ``keep[T, 3 H dv]`` the dropout mask already
     divided by the keep probability, or None (evaluation)."""
     xp = B.xp
     T = x.shape[0]
