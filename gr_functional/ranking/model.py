@@ -204,9 +204,10 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         b_cap = round_up_capacity(n_users, 1)
         t_cap = round_up_capacity(b_cap * S + n)                        # padding users' contextual rows too
         width = max(longest, min(round_up_capacity(longest, 1), cfg.max_seq_len))
+        n_cap = t_cap - b_cap * S
     else:
-        b_cap, t_cap, width = n_users, t_exact, longest
-    n_cap, c_cap = t_cap - b_cap * S if pad else n, b_cap * C
+        b_cap, t_cap, width, n_cap = n_users, t_exact, longest, n
+    c_cap = b_cap * C
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     layout = Jagged.from_offsets(np.zeros(T, np.int32), offsets, max_len=width, b_cap=b_cap, t_cap=t_cap)
     ctx = np.stack([np.concatenate([[seqs.users[u]], [seqs.context[name][u] for name in CONTEXT_FEATURES]])
@@ -217,9 +218,13 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(n_users)])
     timestamps = np.concatenate(times)
 
-    def fill(x, size, value=0):
+    def fill(x, size, value=0, axis=0):
         x = np.asarray(x)
-        return np.concatenate([x, np.full((size - len(x),) + x.shape[1:], value, x.dtype)])
+        if x.shape[axis] == size:
+            return x
+        shape = list(x.shape)
+        shape[axis] = size - x.shape[axis]
+        return np.concatenate([x, np.full(shape, value, x.dtype)], axis=axis)
 
     keep_input = keep_layers = None
     if rng is not None:
@@ -228,7 +233,7 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         keep_layers = (rng.random((cfg.num_layers, t_exact, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
             1.0 - cfg.linear_dropout)
         keep_input = fill(keep_input.astype(np.float32), t_cap, 1.0)
-        keep_layers = np.stack([fill(k, t_cap, 1.0) for k in keep_layers.astype(np.float32)])
+        keep_layers = fill(keep_layers.astype(np.float32), t_cap, 1.0, axis=1)
     item_lengths = [l - S for l in lengths]
     return RankingBatch(
         layout=layout, norm_len=np.asarray(longest, np.float32),
@@ -297,21 +302,22 @@ def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
 
 
 def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
-                     scorer=None, on_batch=None, transform=None, pad: bool = False) -> dict:
+                     scorer=None, on_batch=None, transform=None) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
     ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
     attention divides by the batch's longest sequence, so a user's logits depend on its batch-mates:
     ``batch_size`` (GR: 16) is part of the evaluation protocol. ``transform(batch)``, if given,
-    rewrites each host batch before scoring (hash tables: ids to rows). ``pad``: batches padded to
-    capacities (``make_ranking_batch``; ``B.static_shapes``), the same metrics."""
+    rewrites each host batch before scoring (hash tables: ids to rows). Batches are padded to
+    capacities where ``B.static_shapes`` (``make_ranking_batch``): the same metrics."""
     from ..data.ranking_metrics import task_metrics
 
     logits, labels, owners = [], [], []
     score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
     for s in range(0, len(users), batch_size):
         chunk = list(users[s:s + batch_size])
-        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size], pad=pad)
+        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size],
+                                   pad=B.static_shapes)
         real = len(chunk) * cfg.num_candidates                          # padding candidates come last
         logits.append(B.to_numpy(score(params, B.asarray_tree(batch if transform is None else transform(batch))))[:real])
         if on_batch is not None:

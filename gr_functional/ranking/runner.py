@@ -180,7 +180,7 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
     n = cfg.eval.max_users or len(samples)                   # the first eval.max_users samples (0: all)
     return summarise(evaluate_ranking(B, params, seqs, samples.users[:n], cfg.ranking, cfg.eval.batch_size,
                                       ends=samples.ends[:n], scorer=finite_scorer, on_batch=on_batch,
-                                      transform=transform, pad=B.static_shapes))
+                                      transform=transform))
 
 
 class RankingEvaluation(Evaluation):
