@@ -6,25 +6,36 @@ from __future__ import annotations
 
 import importlib
 
+from gr_functional.registry import Registry
+
 from .base import Backend, BackendUnavailable
 
-_REGISTRY = {
-    "jax": ("backends.jax", "JaxBackend"),
-    "torch": ("backends.torch", "TorchBackend"),
-    "npu": ("backends.npu", "NpuBackend"),
-}
+# name -> (module, class): the module is imported when the backend is first asked for
+BACKENDS: Registry[tuple[str, str]] = Registry(
+    "backend", config_key="backend.name",
+    how="Register one with backends.register_backend(NAME, module, class_name) in a --plugin module")
+
+
+def register_backend(name: str, module: str, class_name: str, *, replace: bool = False) -> None:
+    """Make ``get_backend(name)`` build ``module.class_name`` (a ``Backend`` subclass)."""
+    BACKENDS.add(name, (module, class_name), replace=replace)
+
+
+register_backend("jax", "backends.jax", "JaxBackend")
+register_backend("torch", "backends.torch", "TorchBackend")
+register_backend("npu", "backends.npu", "NpuBackend")
 
 
 def backend_names() -> list[str]:
-    return list(_REGISTRY)
+    return list(BACKENDS.names())
 
 
 def backend_class(name: str) -> type:
     """The Backend subclass registered as ``name``. Imports its module, which imports no array
     library (they load when a backend is created)."""
-    if name not in _REGISTRY:
-        raise BackendUnavailable(f"unknown backend {name!r}; backends: {', '.join(_REGISTRY)}")
-    module_name, cls_name = _REGISTRY[name]
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {name!r}; backends: {', '.join(BACKENDS.names())}")
+    module_name, cls_name = BACKENDS.get(name)
     return getattr(importlib.import_module(module_name), cls_name)
 
 
@@ -39,13 +50,13 @@ def backend_status(name: str) -> tuple[bool, str]:
 
 def get_backend(name: str, **options) -> Backend:
     """Create a backend by name. Unknown names and unavailable backends raise with the reason."""
-    if name not in _REGISTRY:
+    if name not in BACKENDS:
         lines = []
-        for other in _REGISTRY:
+        for other in BACKENDS.names():
             ok, reason = backend_status(other)
             lines.append(f"  {other}: {'available' if ok else reason}")
         raise BackendUnavailable(f"unknown backend {name!r}; backends:\n" + "\n".join(lines))
-    module_name, cls_name = _REGISTRY[name]
+    module_name, cls_name = BACKENDS.get(name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -54,4 +65,5 @@ def get_backend(name: str, **options) -> Backend:
     return getattr(module, cls_name)(**options)
 
 
-__all__ = ["Backend", "BackendUnavailable", "backend_class", "backend_names", "backend_status", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "backend_class", "backend_names", "backend_status",
+           "get_backend", "register_backend"]

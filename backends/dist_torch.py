@@ -81,7 +81,7 @@ Benchmark-only: ``GRF_FAULT_EXCHANGE_DELAY_S=SECONDS`` makes every all-to-all (a
 take at least SECONDS from its start, as a network's latency would (a background exchange's
 delay runs in the background): what the pipelined step hides (``grf bench pipeline_sharded``).
 
-``grf train --nproc N`` starts each rank through ``rank_main`` (``python -m backends.dist_torch
+``grf train --nproc N`` starts each rank through ``gr_functional.rank`` (``python -m gr_functional.rank
 train ...``), which records the rank's exit code in ``$GRF_RANK_EXIT_DIR``; ``job_exit_code``
 turns those into the job's exit code (torchrun itself only says 1).
 """
@@ -693,7 +693,7 @@ class _Watchdog(threading.Thread):
             publish = threading.Thread(target=self.comm.fail, args=(message,), daemon=True)
             publish.start()
             publish.join(timeout=2 * self.limits.interval + 1)
-            _record_exit(EXIT_DIST_FAILURE)
+            record_exit(EXIT_DIST_FAILURE)
             os._exit(EXIT_DIST_FAILURE)
 
     def _watch_store(self) -> None:
@@ -767,7 +767,7 @@ def _slow_steps(rank: int) -> dict[int, float]:
         raise _error_cls()(f"rank {rank}: {SLOW_STEP_ENV}={spec!r} is not STEP:SECONDS[,STEP:SECONDS...]") from None
 
 
-def _record_exit(value) -> None:
+def record_exit(value) -> None:
     """Write this rank's exit code (or "started") to ``$GRF_RANK_EXIT_DIR/rank-RANK`` when the
     launcher asked for it; best effort (a missing file reads as "no exit code")."""
     folder = os.environ.get(EXIT_DIR_ENV)
@@ -780,27 +780,6 @@ def _record_exit(value) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
-
-
-def rank_main(argv: list[str] | None = None) -> int:
-    """One rank of ``grf train --nproc N`` (``python -m backends.dist_torch train ...``):
-    ``gr_functional.cli.main`` with its exit code recorded by ``_record_exit`` ("started" first),
-    so the launcher can tell a rank's own error from a rank that was killed."""
-    _record_exit("started")
-    code: Any = "started"  # stays so on KeyboardInterrupt: like a signal, no exit code of its own
-    try:
-        from gr_functional.cli import main
-
-        code = main(argv)
-    except SystemExit as exc:  # argparse errors (2), sys.exit elsewhere
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        raise
-    except Exception:  # an unexpected error: Python prints the traceback and exits 1
-        code = 1
-        raise
-    finally:
-        _record_exit(code)
-    return code
 
 
 def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
@@ -838,9 +817,3 @@ def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
         return EXIT_DIST_FAILURE, why
     return launcher_code, why + "; torchrun itself failed"
 
-
-if __name__ == "__main__":
-    # run through the canonical module, not this __main__ copy: the watchdog's _die records there
-    from backends.dist_torch import rank_main as _rank_main
-
-    sys.exit(_rank_main())

@@ -44,10 +44,10 @@ config, and factories import their vendor code only when a backend is built.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Callable, Literal
 
 from gr_functional.errors import ConfigError
+from gr_functional.registry import Registry, did_you_mean
 
 KernelFn = Callable[..., Any]  # fn(B, q, k, v, layout, norm_len, bias) -> out (module docstring)
 TilePlan = Literal["ignored", "used", "required"]
@@ -133,7 +133,9 @@ class AttentionKernel:
         return None
 
 
-_REGISTRY: dict[str, AttentionKernel] = {}
+KERNELS: Registry[AttentionKernel] = Registry(
+    "attention kernel", config_key="backend.hstu_kernel",
+    how="Register one with @backends.kernels.register_kernel(NAME, ...) in a module passed to grf train --plugin")
 
 
 def register_kernel(name: str, fn: KernelFn | None = None, *, factory: Callable[[Any], KernelFn] | None = None,
@@ -159,15 +161,11 @@ def register_kernel(name: str, fn: KernelFn | None = None, *, factory: Callable[
     def add(kernel_fn: KernelFn | None, kernel_factory: Callable[[Any], KernelFn] | None):
         made = kernel_factory if kernel_factory is not None else (lambda B: kernel_fn)
         source = kernel_fn if kernel_fn is not None else kernel_factory
-        old = _REGISTRY.get(name)
-        if old is not None and not replace and _identity(old.source) != _identity(source):
-            raise ValueError(f"an attention kernel named {name!r} is already registered "
-                             f"({_identity(old.source)}); pick another name or pass replace=True")
         text = doc or (source.__doc__ or "").strip().split("\n")[0]
-        _REGISTRY[name] = AttentionKernel(name, made, tuple(backends) if backends is not None else None,
+        KERNELS.add(name, AttentionKernel(name, made, tuple(backends) if backends is not None else None,
                                           tuple(dtypes), tuple(precisions),
                                           tuple(devices) if devices is not None else None, pos_bias, time_bias,
-                                          tile_plan, check_model, text, source)
+                                          tile_plan, check_model, text, source), origin_of=source, replace=replace)
         return source
 
     if fn is None and factory is None:
@@ -175,18 +173,14 @@ def register_kernel(name: str, fn: KernelFn | None = None, *, factory: Callable[
     return add(fn, factory)
 
 
-def _identity(f) -> str:
-    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
-
-
 def unregister_kernel(name: str) -> None:
     """Remove kernel ``name`` (tests, plugins that replace a kernel); unknown names are ignored."""
-    _REGISTRY.pop(name, None)
+    KERNELS.remove(name)
 
 
 def kernel_names(backend: str | None = None) -> tuple[str, ...]:
     """Registered kernel names (those that run on ``backend`` when given), in registration order."""
-    return tuple(k.name for k in _REGISTRY.values() if backend is None or k.runs_on(backend))
+    return tuple(k.name for k in KERNELS.values() if backend is None or k.runs_on(backend))
 
 
 def valid_names(backend: str) -> tuple[str, ...]:
@@ -196,13 +190,7 @@ def valid_names(backend: str) -> tuple[str, ...]:
 
 def get_kernel(name: str) -> AttentionKernel:
     """The registered kernel ``name`` (not "default"), or ConfigError naming the registered ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"backend.hstu_kernel={name!r}: no attention kernel of that name is registered{hint}; "
-                          f"registered: {', '.join(_REGISTRY)}") from None
+    return KERNELS.get_or(name, lambda message: ConfigError(f"backend.hstu_kernel={name!r}: {message}"))
 
 
 def default_kernel(backend: str) -> str:
@@ -222,10 +210,10 @@ def kernel_problem(name: str, backend: str, *, dtype: str | None = None, precisi
     is not checked), or None when it can. The reason names the kernel, the option and the
     kernels of ``backend`` that support it."""
     resolved = default_kernel(backend) if name == "default" else name
-    kernel = _REGISTRY.get(resolved)
+    kernel = KERNELS.find(resolved)
     if kernel is None or not kernel.runs_on(backend):
-        near = difflib.get_close_matches(resolved, list(valid_names(backend)), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near and near[0] != resolved else ""
+        hint = did_you_mean(resolved, valid_names(backend))
+        hint = "" if hint == f" (did you mean {resolved!r}?)" else hint
         where = "" if kernel is None else f"; {resolved!r} runs on: {', '.join(kernel.backends or ())}"
         return (f"the {backend} backend has no such kernel{hint}{where}; valid for {backend}: "
                 f"{_quoted(valid_names(backend))}")
@@ -234,7 +222,7 @@ def kernel_problem(name: str, backend: str, *, dtype: str | None = None, precisi
     if lacking is None:
         return None
     option, supported = lacking
-    others = [k.name for k in _REGISTRY.values() if k.runs_on(backend) and k.unsupported(**options) is None]
+    others = [k.name for k in KERNELS.values() if k.runs_on(backend) and k.unsupported(**options) is None]
     label = f"kernel {resolved!r}" + (f" (the {backend} default)" if name == "default" else "")
     alternatives = (f"kernels for {backend} that support it: {_quoted(others)}" if others
                     else f"no kernel for {backend} supports it")
@@ -246,7 +234,7 @@ def check_kernel(name: str, backend: str, **options) -> AttentionKernel:
     problem = kernel_problem(name, backend, **options)
     if problem is not None:
         raise ConfigError(f"backend.hstu_kernel={name!r}: {problem}")
-    return _REGISTRY[default_kernel(backend) if name == "default" else name]
+    return KERNELS.get(default_kernel(backend) if name == "default" else name)
 
 
 def check_config(cfg) -> str | None:

@@ -102,7 +102,7 @@ def variants(label, B):
 
 def run(json_lines: bool = False, cfg=None, backends=None, truncations=TRUNCATIONS,
         token_budget: int = TOKEN_BUDGET, repeats: int = 3) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     rows = []

@@ -110,7 +110,7 @@ def calibrate_cost(cfg, backend=None, lengths=None, repeats: int = 5) -> dict:
 
 def run(json_lines: bool = False, cfg=None) -> dict:
     if cfg is None:
-        from gr_functional.config import load_config
+        from gr_functional.configure import load_config
 
         cfg = load_config(None)
     r = calibrate_cost(cfg)

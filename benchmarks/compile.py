@@ -16,7 +16,7 @@ COLUMNS = ["config", "eager_s", "compiled_s", "speedup", "compile_s"]
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS) -> list[dict]:
     from backends import get_backend
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     rows = []

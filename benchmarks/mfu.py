@@ -18,7 +18,7 @@ COLUMNS = ["backend", "device", "config", "precision", "tokens", "seconds", "ach
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, repeats: int = 3,
         peak_n: int = 4096) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     rows, host = [], machine()

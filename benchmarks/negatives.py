@@ -43,7 +43,8 @@ def negative_bytes(batch, embed_dim: int, precision: str) -> int:
 def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, steps: int = 8,
         warmup: int = 2) -> list[dict]:
     import gr_functional as grf
-    from gr_functional.config import load_config, replace
+    from gr_functional.config import replace
+    from gr_functional.configure import load_config
     from gr_functional.data.batching import TrainLoader
     from gr_functional.train import init_opt_state, make_train_step
 

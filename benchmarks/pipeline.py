@@ -28,7 +28,7 @@ COLUMNS = ["backend", "device", "config", "loss", "prefetch", "steps", "compute_
 def run(json_lines: bool = False, cfg=None, backends=None, steps: int = 20, warmup: int = 3,
         prefetch=(0, 2)) -> list[dict]:
     import gr_functional as grf
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
     from gr_functional.data.prefetch import PrefetchStats
     from gr_functional.train import init_opt_state, make_train_step
 

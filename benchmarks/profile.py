@@ -42,7 +42,7 @@ def profile_step(B, cfg, batch_np, top: int = TOP) -> dict:
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     rows = []

@@ -25,7 +25,8 @@ VARIANTS = (("fp32", 1), ("bf16", 1), ("fp16", 1), ("fp32", 2))   # (backend.pre
 
 def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, steps: int = 6,
         warmup: int = 2) -> list[dict]:
-    from gr_functional.config import load_config, replace
+    from gr_functional.config import replace
+    from gr_functional.configure import load_config
     from gr_functional.ranking.data import RankingLoader, chronological_split, load_ranking_data
     from gr_functional.ranking.runner import RankingSteps, init_params, make_host
     from gr_functional.train import init_opt_state

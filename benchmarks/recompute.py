@@ -29,7 +29,7 @@ def kept_bytes(B, cfg, batch_np) -> tuple[int | None, str]:
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, repeats: int = 3) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     rows = []

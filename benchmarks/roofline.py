@@ -152,7 +152,7 @@ def roofline_step(B, cfg, batch_np, peak: float, bandwidth: float, top: int | No
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, top: int | None = TOP,
         peak_n: int = 4096, mib: int = 256) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     if cfg.backend.precision != "fp32" or (cfg.backend.device or "cpu") != "cpu":

@@ -114,7 +114,7 @@ def _measure(cfg, R: int, steps: int) -> tuple[Measured, dict]:
 
 def run(json_lines: bool = False, cfg=None, steps: int = 8, ranks=RANKS, project=PROJECT,
         project_tokens: int = PROJECT_TOKENS) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(f"experiments/configs/{DEFAULT_CONFIG}.toml")
     D, ex = cfg.model.embed_dim, cfg.embedding.exchange

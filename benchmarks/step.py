@@ -22,7 +22,8 @@ import dataclasses
 import numpy as np
 
 from gr_functional import flops, model
-from gr_functional.config import ModelConfig, load_config
+from gr_functional.config import ModelConfig
+from gr_functional.configure import load_config
 from gr_functional.tree import tree_leaves
 from gr_functional.train import init_opt_state, make_train_step
 

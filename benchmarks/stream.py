@@ -43,7 +43,8 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from backends import get_backend
     from gr_functional import losses
     from gr_functional.batch import make_batch
-    from gr_functional.config import load_config, replace
+    from gr_functional.config import replace
+    from gr_functional.configure import load_config
     from gr_functional.data.stream import KuaiRandStream
     from gr_functional.embedding.lookup import localize_histories, make_host, table_params
     from gr_functional.model import init_params

@@ -23,7 +23,7 @@ COLUMNS = ["backend", "device", "config", "kernel", "kernel_used", "tokens", "se
 
 def run(json_lines: bool = False, cfg=None, backends=None, configs=STEP_CONFIGS, kernels=("default", "tiled", "reference"),
         repeats: int = 3) -> list[dict]:
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     cfg = cfg or load_config(None)
     host = machine()

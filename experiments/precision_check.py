@@ -25,7 +25,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 def main() -> None:
     from gr_functional import model
     from gr_functional.cli import _config_path
-    from gr_functional.config import load_config, replace
+    from gr_functional.config import replace
+    from gr_functional.configure import load_config
     from gr_functional.data import batching, split
     from gr_functional.runner import load_sequences, make_backend, resolve
     from gr_functional.train import init_opt_state, make_train_step

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from gr_functional import report
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 from gr_functional.runner import train
 
 VARIANTS = {

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 
-from .config import Config, load_config, replace
+from .config import Config, replace
+
+from .configure import load_config
 
 _LAZY = {"prepare": ("experiment", "prepare"), "Experiment": ("experiment", "Experiment"),
          "fit": ("runner", "train"), "evaluate_checkpoint": ("runner", "evaluate_checkpoint")}

@@ -54,7 +54,7 @@ def _config_path(text: str | None) -> Path | None:
 
 
 def _load(args):
-    from .config import load_config
+    from .configure import load_config
 
     overrides = list(args.set or [])
     if getattr(args, "backend", None):
@@ -72,7 +72,7 @@ def _launched_rank() -> int | None:
 def _launch(args, cfg, out: Path, nproc: int) -> int:
     """``grf train --nproc N``: run this same command as N ranks on this host under
     ``torch.distributed.run`` (torchrun) with a free local port. Each rank records its exit code
-    (``backends.dist_torch.rank_main``), since torchrun only says 1 whatever failed; returns
+    (``gr_functional.rank``), since torchrun only says 1 whatever failed; returns
     ``dist_torch.job_exit_code``: 0, or 2 (a rank's user error), 3 (diverged), a rank's other
     code (1: an unexpected error, 5: a write failure), 4 (a rank died, was killed or hung). Each
     rank's own message names it."""
@@ -101,9 +101,9 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     argv += ["--set", f"dist.nproc={nproc}"]
     argv += ["--quiet"] if args.quiet else []
     argv += ["--resume"] if args.resume else ["--fresh"] if args.fresh else []
-    # backends.dist_torch runs gr_functional.cli's main and records the rank's exit code
+    # gr_functional.rank runs gr_functional.cli's main and records the rank's exit code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", "backends.dist_torch", *argv]
+           "--max-restarts=0", "-m", "gr_functional.rank", *argv]
     print(f"grf: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="grf-ranks-") as exit_dir:
         code = subprocess.call(cmd, env={**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir})
@@ -193,10 +193,8 @@ def cmd_data(args) -> int:
         from .data import registry
 
         print(f"data dir: {paths.data_dir()}")
-        from .config import RANKING_DATASETS
-
-        print(f"datasets (data.dataset): {', '.join(registry.names())}")
-        print(f"ranking datasets (with model.task = \"ranking\"): {', '.join(RANKING_DATASETS)}; files:")
+        print(f"datasets (data.dataset): {', '.join(registry.names('retrieval'))}")
+        print(f"ranking datasets (with model.task = \"ranking\"): {', '.join(registry.names('ranking'))}; files:")
         for name in paths.dataset_names():
             try:
                 print(f"  {name}: {paths.dataset_path(name)}")

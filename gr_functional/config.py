@@ -184,6 +184,10 @@ Schedule = Literal["constant", "cosine", "linear"]
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # The dense parameters' optimizer, a registered name (gr_functional/optimizers; checked by its
+    # registry): "adamw" (decoupled weight decay), "adagrad", "sgd" (with momentum), "lion", or a
+    # plugin's; on the JAX backend also "optax:NAME" (any optax optimizer taking learning_rate).
+    name: str = "adamw"
     lr: float = _range(1e-3, ge=0.0)
     # Learning-rate schedule (gr_functional/optim.py learning_rate), a function of the update
     # count t = 1, 2, ... held in the optimizer state (so a resume continues it exactly): a linear
@@ -197,6 +201,9 @@ class OptimConfig:
     beta2: float = _range(0.98, ge=0.0, lt=1.0)
     eps: float = _range(1e-8, gt=0.0)
     weight_decay: float = _range(0.0, ge=0.0)
+    momentum: float = _range(0.9, ge=0.0, lt=1.0)           # sgd: heavy-ball momentum (0 = plain SGD)
+    nesterov: bool = False                                   # sgd: Nesterov momentum
+    initial_accumulator: float = _range(0.1, ge=0.0)         # adagrad: the accumulator's start value
 
 
 @dataclass(frozen=True)
@@ -530,8 +537,9 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
     ``"--set model.num_blocks=4"``) when given, else ``source`` (the file).
 
     ``stored``: the config was written by a run (a checkpoint's or OUT/config.toml): keys of
-    older versions are migrated (``MOVED_KEYS``) and registry names (dataset, loss, kernel) are
-    not looked up, so a checkpoint of a plugin's loss can be read without that plugin."""
+    older versions are migrated (``MOVED_KEYS``). Registry names (dataset, loss, kernel) are not
+    looked up here (``gr_functional.configure`` does, for a config a user wrote), so a checkpoint
+    of a plugin's loss can be read without that plugin."""
     origins = origins or {}
     values = _migrate(values, source, origins, stored)
     sections = {}
@@ -561,27 +569,21 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
                 _check_range(kwargs[key], bounds, full)
         sections[name] = cls(**kwargs)
     cfg = Config(**sections)
-    validate(cfg, source=source, origins=origins, registries=not stored)
+    validate(cfg, source=source, origins=origins)
     return cfg
 
 
-def validate(cfg: Config, source: str = "<config>", origins: dict | None = None, registries: bool = True) -> None:
+def validate(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
     """Rules joining several keys (single values were checked by ``build_config``); ``ConfigError``
-    names the key, its origin and the fix. ``registries``: also look the registry names up
-    (``loss.name``, ``data.dataset``; the registries import lazily: they import this module)."""
+    names the key, its origin and the fix. Names looked up in a registry (``loss.name``,
+    ``data.dataset``, kernels, hooks, optimizers) are each registry's own check
+    (``gr_functional.configure.check_registries``): this module imports nothing of the project."""
     origins = origins or {}
 
     def fail(section: str, key: str, message: str):
-        where = origins.get((section, key), source)
-        raise ConfigError(f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}")
+        raise ConfigError(problem_message(cfg, section, key, message, source, origins))
 
     b, e = cfg.backend, cfg.eval
-    if registries:
-        from backends import kernels  # the attention-kernel registry: no array library, no cycle
-
-        problem = kernels.check_config(cfg)
-        if problem:
-            fail("backend", "hstu_kernel", problem)
     if b.compile and b.name != "torch":
         fail("backend", "compile", f"torch.compile is a torch-backend option: "
                                    f"{'JAX always jit-compiles its step' if b.name == 'jax' else 'on npu it goes through torchair / triton-ascend, not verified here'}; "
@@ -592,33 +594,8 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
     if not b.cpu_fused and b.hstu_kernel == "cpu_fused":
         fail("backend", "cpu_fused", "backend.hstu_kernel='cpu_fused' is the fused C++ op itself; set "
                                      "backend.cpu_fused=true or choose another kernel")
-    from backends import row_kernels  # no array library imported
-
-    table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
-    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer, table_dim, cfg.optim.weight_decay)
-    if problem:
-        fail("backend", "row_kernel", problem)
-    if registries:
-        from . import losses
-
-        if cfg.loss.name not in losses.names():
-            fail("loss", "name", losses.unknown_message(cfg.loss.name))
-        from .hooks import hook_names
-
-        unknown = [h for h in cfg.train.hooks if h not in hook_names()]
-        if unknown:
-            fail("train", "hooks", f"no hook named {unknown[0]!r} is registered (registered: "
-                                   f"{', '.join(hook_names()) or 'none'}); register one with "
-                                   f"gr_functional.hooks.register_hook({unknown[0]!r}, cls) in a --plugin module")
     if cfg.model.task == "ranking":
         _validate_ranking(cfg, fail)
-    elif cfg.data.dataset in RANKING_DATASETS:
-        fail("data", "dataset", "is a ranking dataset: set model.task='ranking' (README \"Ranking\")")
-    elif registries:
-        from .data import registry as datasets
-
-        if cfg.data.dataset not in datasets.names():
-            fail("data", "dataset", datasets.unknown_message(cfg.data.dataset))
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
         fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
                                      "1.6e-5 or use backend.precision=bf16/fp32")
@@ -652,8 +629,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None,
         fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
 
 
-# ranking datasets (loaded by gr_functional/ranking/data.py load_ranking_data)
-RANKING_DATASETS = ("kuairand-rank-synthetic", "kuairand-rank-gr", "kuairand-rank-log", "kuairand-rank-stream")
 # what the ranking task does not do yet: (section, key, value it must keep, why)
 _RANKING_REFUSES = (
     ("embedding", "sharding", "replicated", "it trains in one process so far"),
@@ -663,9 +638,6 @@ _RANKING_REFUSES = (
 
 def _validate_ranking(cfg: Config, fail) -> None:
     """The rules of ``model.task = "ranking"`` (gr_functional/ranking/runner.py)."""
-    if cfg.data.dataset not in RANKING_DATASETS:
-        fail("data", "dataset", f"model.task='ranking' trains on a ranking dataset: one of "
-                                f"{', '.join(RANKING_DATASETS)}")
     for section, key, keep, why in _RANKING_REFUSES:
         if getattr(getattr(cfg, section), key) != keep:
             fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")
@@ -678,6 +650,13 @@ def _validate_ranking(cfg: Config, fail) -> None:
                                         "ranking.merge_tables=true")
     if emb.kind == "hash" and emb.init == "dense":
         fail("embedding", "init", "model.task='ranking' starts hash rows from hashed_init: set embedding.init='hashed'")
+
+
+def problem_message(cfg: Config, section: str, key: str, message: str, source: str = "<config>",
+                    origins: dict | None = None) -> str:
+    """``WHERE: section.key=VALUE: message``, WHERE the value's origin (``--set ...``, the file)."""
+    where = (origins or {}).get((section, key), source)
+    return f"{where}: {section}.{key}={getattr(getattr(cfg, section), key)!r}: {message}"
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -693,11 +672,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
-    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides
-    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs). ``plugins`` (``grf
-    train --plugin``) are appended to ``train.plugins``; all of them are imported before the
-    config is checked, so the names they register are valid."""
+def read_values(path: str | Path | None = None, overrides: list = ()) -> tuple[dict, str, dict]:
+    """``(values, source, origins)``: the TOML file ``path`` (None: defaults) with ``--set``
+    overrides applied (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs for
+    a CLI flag that sets a key, so errors name the flag the user typed: ``--backend tpu9``).
+    ``origins[(section, key)]`` names where each override came from. Nothing is checked yet."""
     values: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -716,8 +695,6 @@ def load_config(path: str | Path | None = None, overrides: list = (), plugins: l
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     origins: dict = {}
     for item in overrides:
-        # an override is "section.key=value" (from --set) or (label, "section.key=value") for a
-        # CLI flag that sets a key, so errors name the flag the user typed (--backend tpu9)
         label, text = item if isinstance(item, tuple) else (f"--set {item}", item)
         section, key, value = parse_override(text)
         values.setdefault(section, {})
@@ -728,26 +705,7 @@ def load_config(path: str | Path | None = None, overrides: list = (), plugins: l
         origins.setdefault((section, None), label)
     if path is not None and Path(path).name == "config.toml" and (Path(path).parent / "checkpoints").is_dir():
         values = _migrate(values, source, origins, stored=True)  # a run's own record (grf train --config OUT/config.toml)
-    _import_plugins(values, source, origins, list(plugins))
-    return build_config(values, source, origins)
-
-
-def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> None:
-    from .plugins import import_plugins, normalise
-
-    train = values.get("train")
-    if extra:
-        values["train"] = train = dict(train) if isinstance(train, dict) else {}
-        listed = train.get("plugins", ())
-        if not isinstance(listed, (list, tuple)):
-            return  # malformed (a string?): build_config reports it, not a split into characters
-        train["plugins"] = [*listed, *extra]
-        origins.setdefault(("train", "plugins"), f"--plugin {' --plugin '.join(extra)}")
-    entries = train.get("plugins") if isinstance(train, dict) else None
-    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):
-        return  # absent, or malformed: build_config reports it
-    train["plugins"] = [normalise(e) for e in entries]
-    import_plugins(train["plugins"], where=origins.get(("train", "plugins"), f"{source}: train.plugins"))
+    return values, source, origins
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from .batch import HSTUBatch
-from .config import Config, load_config
+from .config import Config
+from .configure import load_config
 
 
 @dataclasses.dataclass

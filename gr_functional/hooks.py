@@ -20,6 +20,7 @@ import numpy as np
 
 from .config import Config
 from .data.prefetch import PrefetchStats
+from .registry import Registry
 
 
 class LocalComm:
@@ -620,7 +621,9 @@ class TensorBoard(Hook):
 
 # ----------------------------------------------------------------------------- named hooks
 # Hooks `grf train` can add by name (``train.hooks``), registered from a plugin module.
-_REGISTRY: dict[str, Callable[[], Hook]] = {}
+HOOKS: Registry[Callable[[], Hook]] = Registry(
+    "hook", config_key="train.hooks",
+    how="Register one with gr_functional.hooks.register_hook(NAME, cls) in a --plugin module")
 
 
 def register_hook(name: str, factory: Callable[[], Hook] | None = None, *, replace: bool = False):
@@ -629,34 +632,25 @@ def register_hook(name: str, factory: Callable[[], Hook] | None = None, *, repla
     (``grf train --plugin FILE``) registers it; the name goes into config.toml. A taken name is
     refused unless ``replace=True`` (or it is the same definition imported again), as for losses."""
     def add(f):
-        old = _REGISTRY.get(name)
-        if old is not None and old is not f and not replace and _origin(old) != _origin(f):
-            raise ValueError(f"a hook named {name!r} is already registered ({getattr(old, '__module__', '?')}."
-                             f"{getattr(old, '__qualname__', old)}); pick another name or pass replace=True")
-        _REGISTRY[name] = f
+        HOOKS.add(name, f, replace=replace)
         return f
 
     return add if factory is None else add(factory)
 
 
-def _origin(f) -> tuple:
-    """Where ``f`` was defined (file, qualified name): the same class imported twice is the same."""
-    import inspect
-
-    try:
-        where = inspect.getsourcefile(f)
-    except TypeError:
-        where = getattr(f, "__module__", None)
-    return where, getattr(f, "__qualname__", repr(f))
-
-
 def hook_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return HOOKS.names()
 
 
 def named_hooks(names) -> list[Hook]:
     """One new hook per name of ``train.hooks`` (names were checked with the config)."""
-    return [_REGISTRY[name]() for name in names]
+    return [HOOKS.get(name)() for name in names]
+
+
+def check_config(cfg: Config) -> list[tuple[str, str, str]]:
+    """``train.hooks`` must name registered hooks."""
+    unknown = [h for h in cfg.train.hooks if h not in HOOKS]
+    return [("train", "hooks", HOOKS.unknown_message(unknown[0]))] if unknown else []
 
 
 def builtin_hooks(run_cfg: Config, out: Path, is_main: bool, evaluation: Evaluation) -> list[Hook]:

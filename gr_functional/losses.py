@@ -32,12 +32,12 @@ checkpoint, and a resume under another loss is refused.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Callable
 
 from .batch import HSTUBatch, NegativeKind, Negatives
 from .config import Config, choices
 from .errors import ConfigError
+from .registry import Registry
 
 # A negative equal to the position's target (or the padding id) gets this logit: it drops out of
 # the softmax without a data-dependent shape (GR masks sampled collisions the same way).
@@ -55,7 +55,10 @@ class Loss:
     doc: str = ""
 
 
-_REGISTRY: dict[str, Loss] = {}
+LOSSES: Registry[Loss] = Registry(
+    "loss", config_key="loss.name",
+    how="A loss of your own is registered with @gr_functional.losses.register(NAME) in a module passed to "
+        "grf train --plugin")
 
 
 def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind = "sampled",
@@ -68,41 +71,27 @@ def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind =
                          f"{', '.join(map(repr, choices(NegativeKind)))}")
 
     def add(f: Callable) -> Callable:
-        old = _REGISTRY.get(name)
-        same = old is not None and (old.fn is f or _origin(old.fn) == _origin(f))
-        if old is not None and not (replace or same):
-            raise ValueError(f"a loss named {name!r} is already registered ({old.fn.__module__}.{old.fn.__qualname__}); "
-                             f"pick another name or pass replace=True")
-        _REGISTRY[name] = Loss(name, f, negatives, (f.__doc__ or "").strip().split("\n")[0])
+        LOSSES.add(name, Loss(name, f, negatives, (f.__doc__ or "").strip().split("\n")[0]), origin_of=f,
+                   replace=replace)
         return f
 
     return add if fn is None else add(fn)
 
 
-def _origin(fn) -> tuple:
-    """Where a function was defined: the same file imported twice (as a script and as a
-    --plugin module) defines "the same" loss again, which is allowed."""
-    code = getattr(fn, "__code__", None)
-    return (code.co_filename if code is not None else getattr(fn, "__module__", None), fn.__qualname__)
-
-
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def unknown_message(name: str) -> str:
-    near = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    return (f"no loss named {name!r} is registered{hint}; registered: {', '.join(_REGISTRY)}. A loss of your own "
-            f"is registered with @gr_functional.losses.register({name!r}) in a module passed to grf train --plugin")
+    return LOSSES.names()
 
 
 def get(name: str) -> Loss:
     """The registered loss ``name``, or ConfigError naming the registered ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"loss.name={name!r}: {unknown_message(name)}") from None
+    return LOSSES.get_or(name, lambda message: ConfigError(f"loss.name={name!r}: {message}"))
+
+
+def check_config(cfg: Config) -> list[tuple[str, str, str]]:
+    """``(section, key, problem)`` of ``cfg`` this registry owns: ``loss.name`` must be registered."""
+    if cfg.loss.name not in LOSSES:
+        return [("loss", "name", LOSSES.unknown_message(cfg.loss.name))]
+    return []
 
 
 def negatives_for(cfg: Config, popularity=None) -> Negatives:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import tomllib
 from pathlib import Path
 from .errors import ReportError  # noqa: F401 (re-exported)
@@ -41,9 +42,11 @@ class Run:
 
     evals: ``[{"epoch": int, "valid": {metric: float}, "test": {metric: float}}]`` in epoch order
     (a split is absent when it was not evaluated). config: the flattened config.toml,
-    ``{"section.key": value}``. finished: eval.json exists and covers the last evaluated epoch.
-    epoch_seconds: wall seconds per epoch (timing.jsonl; the last record of an epoch that a resume
-    ran twice).
+    ``{"section.key": value}``. finished: eval.json exists and metrics.jsonl holds every evaluation
+    up to its last epoch, whole. epoch_seconds: wall seconds per epoch (timing.jsonl; the last
+    record of an epoch that a resume ran twice). incomplete: why a run that wrote eval.json lacks
+    records (metrics.jsonl cut mid-line or shortened), "" when it does not; such a run is not
+    "done". warnings: one line per damaged file, naming it and the line (``find_runs`` prints them).
     """
 
     path: Path
@@ -53,6 +56,8 @@ class Run:
     epoch_seconds: dict
     aborted: bool = False   # metrics.jsonl ends in an abort record (grf train exited 3)
     live: bool = False      # a grf train holds the folder's lock now
+    incomplete: str = ""
+    warnings: tuple = ()
 
     @property
     def name(self) -> str:
@@ -93,22 +98,32 @@ def select_epoch(records: list, metric: str = SELECT_METRIC) -> dict | None:
     return best
 
 
-def _read_jsonl(path: Path) -> list:
+def _read_jsonl(path: Path) -> tuple[list, int | None, int]:
+    """``(records, cut, lines)``: the JSON objects of ``path`` (none when it is absent), the number
+    of its last line when that line is cut mid-record (ignored) else None, and its line count. A
+    bad line elsewhere is damage: ReportError."""
     if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
+        return [], None, 0
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: cannot be read ({exc})") from None
+    lines = text.splitlines()
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
             # a run killed mid-write may leave a partial last line; anything else is damage
             if number == len(lines):
-                continue
+                return rows, number, len(lines)
             raise ReportError(f"{path}:{number}: not a JSON line") from None
-    return rows
+        rows.append(row)
+    return rows, None, len(lines)
 
 
 def _flatten(values: dict, prefix: str = "") -> dict:
@@ -121,10 +136,22 @@ def _flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _missing(path: Path) -> ReportError:
+    return ReportError(f"{path}: does not exist (no such file or directory), so it is neither a run directory nor "
+                       f"a folder of them; pass folders written by grf train --out, or a folder holding them")
+
+
 def load_run(path: str | Path) -> Run:
-    """Read the run directory ``path``; ReportError when it holds no metrics.jsonl."""
+    """Read the run directory ``path``; ReportError when it does not exist or holds no metrics.jsonl.
+
+    A finished run (eval.json written) whose metrics.jsonl was cut (last line cut mid-record, or
+    records of its last evaluated epochs missing) is ``incomplete``, with a warning naming the file
+    and line; a run that is not live and ends in a cut line gets the warning too.
+    """
     path = Path(path)
     metrics_path = path / "metrics.jsonl"
+    if not path.exists():
+        raise _missing(path)
     if not metrics_path.exists():
         raise ReportError(f"{path}: not a run directory (no metrics.jsonl); pass folders written by grf train")
     config = {}
@@ -133,39 +160,76 @@ def load_run(path: str | Path) -> Run:
             config = _flatten(tomllib.loads((path / "config.toml").read_text()))
         except tomllib.TOMLDecodeError as exc:
             raise ReportError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
+    from .runlock import is_held
+
+    live = is_held(path)
     by_epoch: dict[int, dict] = {}
-    rows = _read_jsonl(metrics_path)
+    rows, cut, n_lines = _read_jsonl(metrics_path)
     aborted = bool(rows) and rows[-1].get("kind") == "abort"
     for row in rows:
         if row.get("kind") != "eval":
             continue
+        if not all(k in row for k in ("epoch", "split")):
+            raise ReportError(f"{metrics_path}: an eval record lacks its epoch or split: {json.dumps(row)[:120]}")
         values = {k: v for k, v in row.items() if k not in ("kind", "split", "epoch", "step")}
         by_epoch.setdefault(row["epoch"], {"epoch": row["epoch"]})[row["split"]] = values
     evals = [by_epoch[e] for e in sorted(by_epoch)]
-    epoch_seconds = {row["epoch"]: row["seconds"] for row in _read_jsonl(path / "timing.jsonl")
-                     if row.get("kind") == "epoch"}
-    finished = False
+    timing_path = path / "timing.jsonl"
+    timing, timing_cut, _ = _read_jsonl(timing_path)
+    epoch_seconds = {row["epoch"]: row["seconds"] for row in timing
+                     if row.get("kind") == "epoch" and "epoch" in row and "seconds" in row}
+    warnings = []
+    if not live:  # a live run may be writing its last line right now
+        for file, line in ((metrics_path, cut), (timing_path, timing_cut)):
+            if line is not None:
+                warnings.append(f"{file}:{line}: the last line is cut mid-record and was ignored (the run was killed "
+                                f"while writing it, or the file was truncated)")
+    finished, incomplete = False, ""
     if (path / "eval.json").exists():
         try:
             result = json.loads((path / "eval.json").read_text())
         except json.JSONDecodeError:
             raise ReportError(f"{path / 'eval.json'}: not valid JSON") from None
-        finished = not evals or result.get("last_epoch", -1) >= evals[-1]["epoch"]
-    from .runlock import is_held
-
-    return Run(path, config, evals, finished, epoch_seconds, aborted, is_held(path))
+        if not isinstance(result, dict):
+            raise ReportError(f"{path / 'eval.json'}: not a JSON object")
+        last = result.get("last_epoch", -1)
+        recorded = evals[-1]["epoch"] if evals else None
+        finished = recorded is not None and last >= recorded
+        if not live:
+            if recorded is None or recorded < last:
+                upto = "no evaluation" if recorded is None else f"evaluations up to epoch {recorded} only"
+                lacking = f"{upto}, but eval.json reports epoch {last} evaluated"
+            elif result.get("last_epoch_test") is not None and "test" not in evals[-1]:
+                lacking = f"no test evaluation of epoch {last}, which eval.json reports"
+            else:
+                lacking = ""
+            if lacking:
+                warnings.append(f"{metrics_path}:{n_lines}: the file ends here with {lacking}: records are "
+                                f"missing (the file was cut, or replaced by an older copy); the metrics shown are "
+                                f"incomplete")
+            if cut is not None:
+                incomplete = f"metrics.jsonl cut at line {cut}"
+            elif lacking:
+                incomplete = f"metrics.jsonl lacks epoch {last}"
+            finished = finished and not incomplete
+    return Run(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings))
 
 
 def find_runs(paths: list) -> list:
     """Run directories named by ``paths``: each a run, or a folder whose subfolders are runs."""
     runs = []
     for p in map(Path, paths):
+        if not p.exists():
+            raise _missing(p)
         if (p / "metrics.jsonl").exists():
             runs.append(load_run(p))
         elif p.is_dir() and any((c / "metrics.jsonl").exists() for c in p.iterdir()):
             runs += [load_run(c) for c in sorted(p.iterdir()) if (c / "metrics.jsonl").exists()]
         else:
             raise ReportError(f"{p}: neither a run directory nor a folder of them (no metrics.jsonl)")
+    for run in runs:  # damaged files: said once, on stderr, before the table
+        for warning in run.warnings:
+            print(f"grf: warning: {warning}", file=sys.stderr, flush=True)
     return runs
 
 
@@ -179,6 +243,8 @@ def differing_keys(runs: list, ignore: tuple = ()) -> list:
 
 def _status(run: Run) -> str:
     planned = run.config.get("train.epochs")
+    if run.incomplete and not run.live:
+        return f"incomplete ({run.incomplete})"
     if run.finished and not run.live:
         return "done"
     # running: a grf train holds its lock; else it ended early (killed, or aborted: exit 3)

@@ -49,6 +49,7 @@ from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteSt
                          fault_point, read_checkpoint, warn, write_error)
 from .config import Config, ConfigError, build_config, config_to_toml, replace
 from .config import validate as config_validate
+from .configure import resolve as resolve_config
 from .memory import check_fits, table_items
 from .report import SELECT_METRIC, select_epoch
 from .runlock import RunLock, RunLocked
@@ -128,10 +129,11 @@ def data_fingerprint(data) -> str:
 
 def validate(cfg: Config, source: str = "<config>") -> None:
     """Every value was checked when the config was built (``config.build_config``: types, choices,
-    ranges, cross-key rules); this re-checks a Config made in code with ``dataclasses.replace``."""
-    build_config({section.name: {f.name: getattr(getattr(cfg, section.name), f.name)
+    ranges, cross-key rules, registry names); this re-checks a Config made in code with
+    ``dataclasses.replace``."""
+    resolve_config({section.name: {f.name: getattr(getattr(cfg, section.name), f.name)
                                  for f in dataclasses.fields(getattr(cfg, section.name))}
-                  for section in dataclasses.fields(cfg)}, source=source)
+                  for section in dataclasses.fields(cfg)}, source)
 
 
 def make_backend(cfg: Config, device: str | None = None):
@@ -857,7 +859,7 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
         # only what evaluation uses is checked: a plugin's loss need not be registered to evaluate
         build_config({"backend": {f.name: getattr(cfg.backend, f.name) for f in dataclasses.fields(cfg.backend)}},
                      source=f"--backend {backend}")
-        config_validate(cfg, source=f"--backend {backend}", registries=False)
+        config_validate(cfg, source=f"--backend {backend}")
         from backends.kernels import check_config
 
         problem = check_config(cfg)

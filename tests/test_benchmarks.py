@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import attention, mfu, step, throughput
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 
 
 def _lines(capsys) -> list[dict]:
@@ -124,7 +124,7 @@ def test_embedding_bench_json(capsys):
 
 def test_pipeline_bench_json(capsys):
     from benchmarks import pipeline
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     sets = ["data.synthetic_users=120", "data.synthetic_max_events=30", "model.max_len=16", "model.embed_dim=16",
             "model.dqk=8", "model.dv=8", "loss.num_negatives=8", "train.batch_size=16"]
@@ -153,7 +153,7 @@ def test_negatives_bench_json(capsys):
     """Every variant runs; GR's recipe is the reference (vs_sampled 1); 16-bit negatives read
     half the bytes plus one scale per sequence (private) or per pool."""
     from benchmarks import negatives
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     sets = ["data.synthetic_users=120", "data.synthetic_max_events=30", "model.max_len=16", "model.embed_dim=16",
             "model.dqk=8", "model.dv=8", "train.batch_size=16"]
@@ -174,7 +174,7 @@ def test_ranking_bench_json(capsys):
     """grf bench ranking: fp32 / bf16 / fp16 / accumulate 2 on the ranking preset's batches (tiny,
     hash tables), fp32 the reference; an accumulated step holds two batches' candidates."""
     from benchmarks import ranking
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     from .test_ranking_train import PRESET, TINY
 
@@ -191,7 +191,7 @@ def test_stream_bench_json(capsys):
     """Training on a (small) KuaiRand-shaped stream with a hash table below its ids: the rows
     report throughput, RSS, the table filling to its capacity and evicting, and dedup."""
     from benchmarks import stream
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
     from gr_functional.data.stream import KuaiRandStream
 
     sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
@@ -211,7 +211,7 @@ def test_sharded_stream_bench_on_two_ranks():
     """The 0.2B preset's path, shrunk: two gloo ranks, the hash table row-sharded over them and
     full (evicting), all-to-all and all-reduce bytes counted, model FLOPs over the ranks' peak."""
     from benchmarks import stream
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
             "model.num_heads=1", "embedding.capacity=600", "loss.num_negatives=32", "train.batch_size=8",
@@ -230,7 +230,7 @@ def test_scaling_bench_byte_model_and_projection():
     """The cost model's all-to-all bytes match the ranks' counted ones (timings are not asserted:
     they depend on the machine's load); the projection covers both hardware presets."""
     from benchmarks import scaling
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     sets = ["model.embed_dim=16", "model.dqk=8", "model.dv=8", "model.max_len=32", "model.num_blocks=1",
             "model.num_heads=1", "embedding.capacity=5000", "loss.num_negatives=32", "train.batch_size=4"]

@@ -4,7 +4,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from gr_functional.config import ConfigError, build_config, config_to_toml, load_config
+from gr_functional.config import ConfigError, build_config, config_to_toml
+
+from gr_functional.configure import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "experiments" / "configs").glob("*.toml"))
 

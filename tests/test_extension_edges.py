@@ -90,7 +90,7 @@ def test_code_api_records_plugins_as_absolute_paths_and_eval_needs_no_loss(tmp_p
                  progress=False)
     assert f'plugins = ["{tmp_path / "edge_loss.py"}"]' in (out / "config.toml").read_text()
     # evaluating on another backend needs the model, not the training loss
-    monkeypatch.delitem(losses._REGISTRY, "edge_loss")
+    losses.LOSSES.remove("edge_loss")
     (tmp_path / "edge_loss.py").unlink()
     from gr_functional.checkpoint import read_checkpoint
 
@@ -111,7 +111,7 @@ def test_a_plugin_error_names_the_plugins_own_line(tmp_path, body, where):
 
 
 def test_a_string_plugins_value_with_plugin_is_a_type_error(tmp_path):
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     (tmp_path / "cfg.toml").write_text('[train]\nplugins = "x.py"\n')
     (tmp_path / "ok.py").write_text("")
@@ -120,7 +120,7 @@ def test_a_string_plugins_value_with_plugin_is_a_type_error(tmp_path):
 
 
 def test_a_runs_old_config_toml_is_migrated(tmp_path):
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -140,7 +140,7 @@ def test_one_file_as_script_and_plugin_registers_its_loss_once(tmp_path):
     script = tmp_path / "script_loss.py"
     script.write_text(LOSS.replace("edge_loss", "script_loss") + textwrap.dedent('''
         if __name__ == "__main__":
-            from gr_functional.config import load_config
+            from gr_functional.configure import load_config
             print(load_config(None, ["loss.name=script_loss"], plugins=[__file__]).train.plugins)
     '''))
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
@@ -150,7 +150,7 @@ def test_one_file_as_script_and_plugin_registers_its_loss_once(tmp_path):
 
 
 def test_a_taken_hook_name_is_refused_unless_replaced():
-    from gr_functional.hooks import _REGISTRY, register_hook
+    from gr_functional.hooks import HOOKS, register_hook
 
     class A(Hook):
         pass
@@ -164,9 +164,9 @@ def test_a_taken_hook_name_is_refused_unless_replaced():
         with pytest.raises(ValueError, match="already registered"):
             register_hook("edge_hook", B)
         register_hook("edge_hook", B, replace=True)
-        assert _REGISTRY["edge_hook"] is B
+        assert HOOKS.get("edge_hook") is B
     finally:
-        _REGISTRY.pop("edge_hook", None)
+        HOOKS.remove("edge_hook")
 
 
 def test_the_tie_seed_matters_on_resume_only_when_ties_are_shuffled():

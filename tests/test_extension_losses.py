@@ -12,7 +12,8 @@ import pytest
 from gr_functional import losses
 from gr_functional.checkpoint import read_checkpoint as load_checkpoint
 from gr_functional.cli import main
-from gr_functional.config import ConfigError, build_config, load_config
+from gr_functional.config import ConfigError, build_config
+from gr_functional.configure import load_config
 
 from .reliability.common import TINY, sets
 

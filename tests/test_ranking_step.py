@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 from gr_functional.data.sources.kuairand_ranking_synthetic import synthetic_ranking
 from gr_functional.ranking.data import RankingLoader, chronological_split
 from gr_functional.ranking.model import init_ranking_params, make_ranking_batch

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gr_functional.checkpoint import CheckpointDir, read_checkpoint
-from gr_functional.config import ConfigError, load_config
+from gr_functional.config import ConfigError
+from gr_functional.configure import load_config
 from gr_functional.data.sources.kuairand_ranking import ACTION_BITS, write_gr_processed
 from gr_functional.data.sources.kuairand_ranking_synthetic import ACTION_RATES, synthetic_ranking
 from gr_functional.ranking.data import RankingLoader, chronological_split
@@ -353,7 +354,7 @@ def test_ranking_trains_on_the_27k_stream_with_hash_tables(tmp_path):
 
 
 def test_a_ranking_dataset_without_the_ranking_task_says_so():
-    with pytest.raises(ConfigError, match="data.dataset='kuairand-rank-synthetic': is a ranking dataset: set "
-                                          "model.task='ranking'"):
+    with pytest.raises(ConfigError, match="data.dataset='kuairand-rank-synthetic': is a ranking dataset, but "
+                                          r"model.task='retrieval' .*\(or set model.task='ranking'\)"):
         load_config(None, ["data.dataset=kuairand-rank-synthetic"])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when run as a script
-from gr_functional.config import load_config  # noqa: E402
+from gr_functional.configure import load_config  # noqa: E402
 from gr_functional.data.ranking_metrics import auc, gauc  # noqa: E402
 from gr_functional.data.sources.kuairand_ranking_synthetic import synthetic_ranking  # noqa: E402
 

@@ -36,5 +36,5 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "DATASETS":  # the registered dataset names, read live (a plugin may register more)
-        return registry.names()
+        return registry.names("retrieval")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

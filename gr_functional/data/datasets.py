@@ -12,7 +12,7 @@ from .sequences import SequenceData, from_interactions, remap_sequence_items, sh
 
 def __getattr__(name: str):
     if name == "DATASETS":  # the registered names, read live (a plugin may register more)
-        return registry.names()
+        return registry.names("retrieval")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -58,9 +58,9 @@ def load_dataset(cfg: DataConfig) -> SequenceData:
     then permutes each user's same-second events (``sequences.shuffle_ties``).
     """
     name = cfg.dataset
-    if name not in registry.names():
-        near = registry._did_you_mean(name, registry.names())
-        raise DataError(f"data.dataset={name!r} is not a known dataset{near}; valid: {', '.join(registry.names())}")
+    retrieval = registry.names("retrieval")
+    if name not in retrieval:
+        raise DataError(f"data.dataset={name!r}: {registry.unknown_message(name, 'retrieval')}")
     spec = registry.get_dataset(name)
     data = spec.load(cfg, resolve_path(spec, cfg.path))
     if isinstance(data, Interactions):

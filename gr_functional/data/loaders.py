@@ -204,7 +204,41 @@ def _parse_block(path: Path, block: bytes, lineno: int, sep: str, names: Sequenc
             c = next(c for c in cols if not (np.isfinite(values[r, c]) and values[r, c] == np.floor(values[r, c])))
             raise DataError(f"{path}:{lineno + r}: field {c + 1} ({names[c]}) is not an integer: "
                             f"{line.split(sep)[c].strip()[:40]!r} in line {line[:120]!r}")
+    if int_cols:
+        _check_int_range(path, block, lineno, sep, names, sorted(int_cols), values)
     return values
+
+
+# Integers a column of ``_parse_table`` holds exactly: int64 (np.fromstring clamps larger ones to
+# the limits, silently) and float64 (integers beyond 2^53 are rounded).
+_INT64_LIMITS = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+_FLOAT_EXACT = 2**53
+
+
+def _check_int_range(path: Path, block: bytes, lineno: int, sep: str, names: Sequence[str], cols: list[int],
+                     values: np.ndarray) -> None:
+    """``DataError`` at the first integer field too large to be read exactly (a 23-digit timestamp
+    would otherwise become the int64 limit and only fail later, far from its line)."""
+    sub = values[:, cols]
+    if values.dtype.kind == "f":
+        limit = _FLOAT_EXACT
+        big = np.abs(sub) > limit
+    else:
+        limit = _INT64_LIMITS[1] - 1
+        big = (sub == _INT64_LIMITS[0]) | (sub == _INT64_LIMITS[1])
+    rows = np.flatnonzero(big.any(axis=1))
+    if not rows.size:
+        return
+    r = int(rows[0])
+    c = cols[int(np.argmax(big[r]))]
+    line = block.split(b"\n")[r].decode("utf-8", errors="replace").rstrip("\r")
+    if r == 0 and line.startswith("\ufeff"):
+        line = line[1:]
+    text = line.split(sep)[c].strip()
+    hint = "; timestamps are unix seconds, 10 digits today" if names[c].lower() == "timestamp" else ""
+    raise DataError(f"{path}:{lineno + r}: field {c + 1} ({names[c]}) is too large: {text[:40]!r} has "
+                    f"{len(text.lstrip('+-'))} digits, beyond {limit:,}, the largest integer read exactly{hint}. "
+                    f"Is the line damaged? Fix or remove it")
 
 
 def _parse_table(path: Path, *, sep: str, names: Sequence[str], int_cols: set[int], dtype,

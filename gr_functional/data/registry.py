@@ -27,11 +27,11 @@ or a finished ``SequenceData``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError, DataError
+from ..registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,9 @@ class DatasetSpec:
       file_name    the name ``dataset_path`` knows the default file by ("" = ``name``)
       label_for    label of the data read from a given file (e.g. the reconstructed ML-1M copy);
                    None = ``label`` whatever the file
+      task         the ``model.task`` that trains on it: "retrieval" (``load`` returns Interactions
+                   or SequenceData) or "ranking" (``load(cfg: Config, path: Path | None)``, the
+                   whole config, returns RankingSequences; gr_functional/ranking/data.py)
     """
 
     name: str
@@ -97,6 +100,7 @@ class DatasetSpec:
     needs_file: bool = True
     file_name: str = ""
     label_for: Callable[[Path], str] | None = None
+    task: str = "retrieval"
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -116,29 +120,33 @@ class DatasetSpec:
         return DataFile(self.file_name or self.name, self.label, tuple(self.layout), self.how_to_get)
 
 
-_DATASETS: dict[str, DatasetSpec] = {}
 _FILES: dict[str, DataFile] = {}
 # The shipped datasets register themselves when their modules are imported, which happens on the
 # first use of this registry, in this order (the order of names()): imported here at module level,
-# they would import this module back while it is half-built (tests/test_layering.py).
-_SHIPPED = ("synthetic", "movielens", "kuairand", "kuairand_features", "interactions")
-_shipped_loaded = False
+# they would import this module back while it is half-built.
+_SHIPPED = ("synthetic", "movielens", "kuairand", "kuairand_features", "interactions",
+            "kuairand_ranking_synthetic", "kuairand_ranking", "kuairand_ranking_stream")
 
 
 def _load_shipped() -> None:
-    global _shipped_loaded
-    if _shipped_loaded:
-        return
-    _shipped_loaded = True  # first: each module's register_dataset call comes back here
     import importlib
+
     for module in _SHIPPED:
         importlib.import_module(f"{__package__}.sources.{module}")
 
 
-def _same_loader(a: Callable, b: Callable) -> bool:
-    """A module imported twice (a plugin run as a script and imported) registers an equal function."""
-    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
-    return a is b or key(a) == key(b)
+def _listing_order(name: str, spec: DatasetSpec) -> tuple:
+    """Retrieval datasets first, then ranking; the shipped in _SHIPPED's order (one module may
+    import another while registering), then the others as registered."""
+    module = getattr(spec.load, "__module__", "").rpartition(".")[2]
+    return spec.task != "retrieval", _SHIPPED.index(module) if module in _SHIPPED else len(_SHIPPED)
+
+
+DATASETS: Registry[DatasetSpec] = Registry(
+    "dataset", config_key="data.dataset", load=_load_shipped, order=_listing_order,
+    how="Your own interactions file: data.dataset=\"csv\" with data.path=FILE (README \"Your own data\"); your own "
+        "loader: gr_functional.data.registry.register_dataset(DatasetSpec(NAME, ...)) in a module passed to "
+        "grf train --plugin")
 
 
 def register_dataset(spec: DatasetSpec, *, replace: bool = False) -> DatasetSpec:
@@ -147,12 +155,7 @@ def register_dataset(spec: DatasetSpec, *, replace: bool = False) -> DatasetSpec
     Registering a taken name raises ``ValueError`` unless ``replace=True`` or the same loader is
     registered again (a module imported twice). Returns ``spec``.
     """
-    _load_shipped()  # the shipped datasets come first in names()
-    old = _DATASETS.get(spec.name)
-    if old is not None and not (replace or _same_loader(old.load, spec.load)):
-        raise ValueError(f"a dataset named {spec.name!r} is already registered (loader "
-                         f"{old.load.__module__}.{old.load.__qualname__}); pick another name or pass replace=True")
-    _DATASETS[spec.name] = spec
+    DATASETS.add(spec.name, spec, origin_of=spec.load, replace=replace)
     if spec.file is not None:
         _FILES[spec.file.name] = spec.file
     return spec
@@ -173,7 +176,7 @@ def dataset(name: str, label: str, **fields) -> Callable:
 
 def register_file(file: DataFile, *, replace: bool = False) -> DataFile:
     """Register a file under the data dir that no dataset loads by default (``dataset_path`` finds it)."""
-    _load_shipped()
+    DATASETS.names()  # the shipped files come first
     old = _FILES.get(file.name)
     if old is not None and old != file and not replace:
         raise ValueError(f"a data file named {file.name!r} is already registered ({old.layout[0]}); "
@@ -182,49 +185,48 @@ def register_file(file: DataFile, *, replace: bool = False) -> DataFile:
     return file
 
 
-def names() -> tuple[str, ...]:
-    """Registered dataset names, in registration order (the shipped ones first)."""
-    _load_shipped()
-    return tuple(_DATASETS)
+def names(task: str | None = None) -> tuple[str, ...]:
+    """Registered dataset names (of ``task`` when given), in registration order (the shipped ones first)."""
+    return tuple(n for n, spec in DATASETS.items() if task is None or spec.task == task)
 
 
 def file_names() -> tuple[str, ...]:
     """Names of the registered data files (``dataset_path`` accepts these), in registration order."""
-    _load_shipped()
+    DATASETS.names()
     return tuple(_FILES)
 
 
-def _did_you_mean(name: str, known) -> str:
-    near = difflib.get_close_matches(str(name), list(known), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def unknown_message(name: str) -> str:
-    """Why ``name`` is not a dataset, the registered names and how to add one (for ``ConfigError``)."""
-    _load_shipped()
-    return (f"no dataset named {name!r} is registered{_did_you_mean(name, _DATASETS)}; registered: "
-            f"{', '.join(map(repr, _DATASETS))}. Your own interactions file: data.dataset=\"csv\" with "
-            f"data.path=FILE (README \"Your own data\"); your own loader: "
-            f"gr_functional.data.registry.register_dataset(DatasetSpec({name!r}, ...)) in a module "
-            f"passed to grf train --plugin")
+def unknown_message(name: str, task: str | None = None) -> str:
+    """Why ``name`` is not a dataset, the registered names (of ``task``) and how to add one."""
+    return DATASETS.unknown_message(name, among=names(task))
 
 
 def get_dataset(name: str) -> DatasetSpec:
     """The registered dataset ``name``, or ``ConfigError`` with a did-you-mean and the registered names."""
-    _load_shipped()
-    try:
-        return _DATASETS[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"data.dataset={name!r}: {unknown_message(name)}") from None
+    if not isinstance(name, str) or name not in DATASETS:
+        raise ConfigError(f"data.dataset={name!r}: {unknown_message(name)}")
+    return DATASETS.get(name)
+
+
+def check_config(cfg) -> list[tuple[str, str, str]]:
+    """``data.dataset`` must be registered, for the config's ``model.task``."""
+    name, task = cfg.data.dataset, cfg.model.task
+    if name not in DATASETS:
+        return [("data", "dataset", unknown_message(name, task))]
+    spec = DATASETS.get(name)
+    if spec.task != task:
+        return [("data", "dataset", f"is a {spec.task} dataset, but model.task={task!r} trains on a {task} "
+                                    f"dataset: one of {', '.join(names(task))} (or set model.task={spec.task!r})")]
+    return []
 
 
 def get_file(name: str) -> DataFile:
     """The data file ``name``: a registered file, else the default file of dataset ``name``;
     ``DataError`` listing the known files otherwise."""
-    _load_shipped()
+    DATASETS.names()
     if name in _FILES:
         return _FILES[name]
-    spec = _DATASETS.get(name)
+    spec = DATASETS.get(name) if name in DATASETS else None
     if spec is not None and spec.file is not None:
         return _FILES.get(spec.file.name, spec.file)
     raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(_FILES)}")
@@ -232,13 +234,12 @@ def get_file(name: str) -> DataFile:
 
 def downloadable() -> tuple[str, ...]:
     """Names of the datasets ``grf data fetch`` can download."""
-    _load_shipped()
-    return tuple(n for n, s in _DATASETS.items() if s.download is not None)
+    return tuple(n for n, s in DATASETS.items() if s.download is not None)
 
 
 def set_download(name: str, download: Download | None) -> None:
     """Replace (or remove, with None) the download of the registered dataset ``name`` (a mirror,
     or a test's fake archive)."""
     spec = get_dataset(name)
-    _DATASETS[name] = dataclasses.replace(spec, download=download)
+    DATASETS.add(name, dataclasses.replace(spec, download=download), origin_of=spec.load, replace=True)
 

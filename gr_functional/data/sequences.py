@@ -176,6 +176,26 @@ def _remap_candidates(candidates, uniq: np.ndarray) -> np.ndarray:
     return np.searchsorted(uniq, candidates[known]) + 1
 
 
+# Unix seconds reach 1e11 in the year 5138; milliseconds of any date since 1973 exceed it (the
+# same bounds as runner.check_data, which checks data from any source without naming lines).
+_LATEST_SECONDS = 10**11
+
+
+def _check_time_range(inter: Interactions) -> None:
+    """``DataError`` naming ``FILE:LINE`` of a timestamp the model cannot take as unix seconds:
+    after the year 5000 (milliseconds?), or more than int32 seconds (68 years) from the earliest."""
+    hi_row, lo_row = int(np.argmax(inter.time)), int(np.argmin(inter.time))
+    hi, lo = int(inter.time[hi_row]), int(inter.time[lo_row])
+    if hi > _LATEST_SECONDS:
+        raise DataError(f"{inter.where(hi_row)}: timestamp {hi:,} is after the year 5000 in unix seconds; the "
+                        f"timestamps look like milliseconds (or microseconds), or the line is damaged. Convert them "
+                        f"to seconds (the time bias buckets log-seconds) or fix the line")
+    if hi - lo > _INT32_MAX:
+        raise DataError(f"{inter.where(hi_row)}: timestamp {hi:,} is {hi - lo:,} seconds after the one at "
+                        f"{inter.where(lo_row)} ({lo:,}), more than int32 seconds hold (68 years): a damaged line, "
+                        f"or timestamps that look like milliseconds. Fix the line or convert them to seconds")
+
+
 def from_interactions(inter: Interactions, remap_items: bool, *, name: str | None = None,
                       candidates: np.ndarray | None = None) -> SequenceData:
     """Group events by user and sort each user's events by time, after validating the rows.
@@ -188,6 +208,8 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
 
     Rules (``DataError`` names ``FILE:LINE``; README "Bad inputs"):
       negative timestamp                  error: times are unix seconds (>= 0)
+      timestamp > 1e11 (year 5000 on)    error naming its line: milliseconds? (``_check_time_range``)
+      times spanning > int32 seconds      error naming both lines (68 years: a damaged line?)
       item id < 1 or beyond int32         error unless remapped (0 is the padding id)
       sparse raw ids (``SPARSE_ID_*``)    error unless remapped: the table would be mostly empty
       exact duplicate (user, item, time)  KEPT and counted in ``duplicate_events``. Why not
@@ -204,6 +226,7 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
         row = int(np.argmax(inter.time < 0))
         raise DataError(f"{inter.where(row)}: timestamp {int(inter.time[row])} is negative; timestamps are unix "
                         f"seconds (>= 0, i.e. from 1970 on). Fix or remove the row")
+    _check_time_range(inter)
     by_time = np.argsort(inter.time, kind="stable")
     order = by_time[np.argsort(inter.user[by_time], kind="stable")]
     user = inter.user[order]

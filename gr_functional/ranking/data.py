@@ -1,7 +1,7 @@
 """Ranking data for ``grf train`` (``model.task = "ranking"``): the datasets, the chronological
 split and the training loader.
 
-Datasets (``data.dataset``):
+Datasets (``data.dataset``, registered with ``task="ranking"`` in gr_functional/data/registry.py):
   kuairand-rank-synthetic  the KuaiRand-shaped generator (data/sources/kuairand_ranking_synthetic.py):
                            data.synthetic_users / synthetic_items / synthetic_max_events / zipf_a / seed
   kuairand-rank-gr         GR's processed_seqs.csv (data.path), as GR's KuaiRand preprocessor writes it
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
+from ..data.registry import get_dataset
+from ..data.registry import names as dataset_names
 from ..errors import DataError
 from ..data.batching import consecutive_batches
 from ..data.prefetch import Prefetch, PrefetchStats, timed
@@ -34,29 +37,13 @@ from .model import make_ranking_batch
 
 
 def load_ranking_data(cfg) -> RankingSequences:
-    """The ``RankingSequences`` of ``cfg.data`` (a ``Config``); ``DataError`` naming the file."""
-    d = cfg.data
-    if d.dataset == "kuairand-rank-synthetic":
-        from ..data.sources.kuairand_ranking_synthetic import synthetic_ranking
-
-        return synthetic_ranking(d.synthetic_users, d.synthetic_items, d.synthetic_max_events, d.zipf_a, seed=d.seed,
-                                 min_events=3 * cfg.ranking.num_candidates + 1)
-    if d.dataset == "kuairand-rank-stream":
-        from ..data.sources.kuairand_ranking_stream import KuaiRandRankingStream
-
-        return KuaiRandRankingStream(seed=d.seed, max_events=d.synthetic_max_events, num_users=d.synthetic_users)
-    if not d.path:
-        raise DataError(f"data.dataset={d.dataset!r} reads a file: set data.path (GR's processed_seqs.csv for "
-                        f"kuairand-rank-gr, an official KuaiRand log csv for kuairand-rank-log)")
-    if d.dataset == "kuairand-rank-gr":
-        from ..data.sources.kuairand_ranking import load_gr_processed
-
-        return load_gr_processed(d.path)
-    from ..data.sources.kuairand import load_kuairand_log
-    from ..data.sources.kuairand_features import load_kuairand_features
-    from ..data.sources.kuairand_ranking import LOG_COLUMNS, sequences_from_log
-
-    return sequences_from_log(load_kuairand_log(d.path, columns=LOG_COLUMNS), load_kuairand_features(kind="user"))
+    """The ``RankingSequences`` of ``cfg.data`` (a ``Config``): the registered ranking dataset's
+    ``load(cfg, path)`` (gr_functional/data/registry.py); ``DataError`` naming the file."""
+    spec = get_dataset(cfg.data.dataset)
+    if spec.task != "ranking":
+        raise DataError(f"data.dataset={cfg.data.dataset!r} is a {spec.task} dataset; model.task='ranking' trains "
+                        f"on one of: {', '.join(dataset_names('ranking'))}")
+    return spec.load(cfg, Path(cfg.data.path) if cfg.data.path else None)
 
 
 def fingerprint(seqs: RankingSequences) -> str:

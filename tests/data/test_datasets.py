@@ -29,7 +29,7 @@ def test_kuairand_sample(real_data_env):
 
 
 def test_bad_config(tmp_path):
-    with pytest.raises(DataError, match="valid: synthetic, ml-1m, ml-20m, kuairand"):
+    with pytest.raises(DataError, match="registered: 'synthetic', 'ml-1m', 'ml-20m', 'kuairand'"):
         load_dataset(DataConfig(dataset="movielens"))
     with pytest.raises(DataError, match="data.path="):
         load_dataset(DataConfig(dataset="ml-1m", path=str(tmp_path / "nope.dat")))

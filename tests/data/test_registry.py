@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from gr_functional.cli import main
-from gr_functional.config import ConfigError, DataConfig, load_config
+from gr_functional.config import ConfigError, DataConfig
+from gr_functional.configure import load_config
 from gr_functional.data import (DataError, DatasetSpec, Download, Interactions, SequenceData, dataset_label,
                                 dataset_path, fetch, load_dataset, registry)
 
@@ -15,8 +16,9 @@ from gr_functional.data import (DataError, DatasetSpec, Download, Interactions, 
 def scratch_registry(monkeypatch):
     """Registrations made by a test are dropped after it (the registry is process-wide)."""
     registry.names()  # the shipped datasets are registered before the copy
-    monkeypatch.setattr(registry, "_DATASETS", dict(registry._DATASETS))
     monkeypatch.setattr(registry, "_FILES", dict(registry._FILES))
+    with registry.DATASETS.scoped():
+        yield
 
 
 # ---------------------------------------------------------------- a dataset of one's own

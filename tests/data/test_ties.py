@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 from gr_functional.data import load_dataset
 
 

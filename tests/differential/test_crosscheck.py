@@ -8,7 +8,7 @@ import pytest
 from backends import get_backend
 from backends.torch import TorchBackend
 from gr_functional import model
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 from gr_functional.crosscheck import crosscheck, random_batch
 
 CFG = load_config(None, ["model.num_items=300", "model.max_len=20", "model.num_blocks=3",

@@ -10,7 +10,7 @@ import pytest
 from backends import get_backend, kernels
 from backends.kernels import register_kernel, unregister_kernel
 from gr_functional.cli import main
-from gr_functional.config import load_config
+from gr_functional.configure import load_config
 from gr_functional.errors import ConfigError
 
 from .common import LAYOUT_CASES, check_attention_kernel, kernel_backend, kernel_pairs

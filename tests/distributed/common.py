@@ -17,7 +17,7 @@ from ..reliability.common import ROOT, metrics, sets, subprocess_env  # noqa: F4
 
 
 def tiny_config(*extra: str):
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     return load_config(ROOT / "experiments" / "configs" / "quickstart.toml", TINY + list(extra))
 

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     from backends import get_backend
     from backends.jax import make_sharded_train_step, stack_rank_batches
     from gr_functional import model
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
     from gr_functional.data import batching, split
     from gr_functional.runner import load_sequences, resolve
     from gr_functional.train import init_opt_state, rank_scales

@@ -1,6 +1,6 @@
 """`grf train --nproc N` exits with the failing rank's own code, not torchrun's 1.
 
-Each rank runs through ``backends.dist_torch.rank_main``, which records its exit code (or only
+Each rank runs through ``gr_functional.rank``, which records its exit code (or only
 "started" when it was killed); ``job_exit_code`` maps them: 2 (user error) > 3 (NaN abort) >
 another code (1: an unexpected error, 5: a failed write) > 4 (a rank exited 4, was killed or
 ended without a code).
@@ -49,7 +49,7 @@ def test_job_exit_code_success_and_launcher_failures(tmp_path):
 def test_rank_main_records_the_exit_code(tmp_path):
     """A rank's user error (an unknown config) is recorded as 2 in $GRF_RANK_EXIT_DIR/rank-RANK."""
     env = subprocess_env(**{EXIT_DIR_ENV: str(tmp_path), "RANK": "1"})
-    r = subprocess.run([sys.executable, "-m", "backends.dist_torch", "train", "--config", "no-such-config",
+    r = subprocess.run([sys.executable, "-m", "gr_functional.rank", "train", "--config", "no-such-config",
                         "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]

@@ -21,7 +21,7 @@ def sets(items) -> list[str]:
 
 
 def tiny_config(*extra: str):
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     return load_config(ROOT / "experiments" / "configs" / "quickstart.toml", TINY + list(extra))
 

@@ -45,7 +45,7 @@ def test_global_rngs_do_not_matter():
 def test_deterministic_mode_switch():
     from gr_functional.runner import make_backend
 
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
 
     make_backend(Config())                      # backend.deterministic "auto": on, on CPU
     assert torch.are_deterministic_algorithms_enabled()

@@ -17,7 +17,8 @@ import pytest
 
 from gr_functional import memory
 from gr_functional.cli import main
-from gr_functional.config import ConfigError, load_config, replace
+from gr_functional.config import ConfigError, replace
+from gr_functional.configure import load_config
 
 from .common import ROOT, file_digests, metrics, subprocess_env, tiny_config
 from .test_bad_inputs import finished_run, ratings, train_args, write  # noqa: F401 (finished_run: a fixture)

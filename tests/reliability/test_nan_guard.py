@@ -60,7 +60,7 @@ def poison_batches(monkeypatch):
 
 
 def test_transient_bad_step_is_skipped_and_logged(poison_batches, tmp_path):
-    from gr_functional.config import load_config
+    from gr_functional.configure import load_config
     from gr_functional.runner import train
 
     from .common import ROOT

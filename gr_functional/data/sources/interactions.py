@@ -10,18 +10,27 @@ no header, or when no header column has that name), ``csv_time_unit`` (s | ms | 
 ``csv_rating`` + ``csv_min_rating`` (keep rows rated >= it). Other columns are ignored.
 
 Ids. A user or item column whose every value is an integer keeps those ids (items must then be >= 1,
-or set ``data.remap_items=true``). Any other column (string ids, hashes, integers mixed with text)
-is read as strings and mapped to dense ints automatically: id k (1-based) is the k-th distinct
-string in byte order (``np.unique(strings)[k - 1]`` recovers it), so the mapping depends only on
-the set of ids. Surrounding spaces are ignored.
+or set ``data.remap_items=true``). A column of string ids (hashes, SKUs such as "B000123456") is
+read as strings and mapped to dense ints automatically: id k (1-based) is the k-th distinct string
+in byte order (``np.unique(strings)[k - 1]`` recovers it), so the mapping depends only on the set
+of ids; a note on stderr says so (``grf: note: ... mapped to dense ints 1..K``). Surrounding spaces
+are ignored. Which it is: a column whose values are integers except for fewer than 1 % of its
+rows (``_MALFORMED_SHARE``) is an integer column with damaged values, an error naming the first
+one (``FILE:LINE:FIELD``, the value shown with repr), not a string column: one stray value must
+not renumber every item. With at least 1 % non-integer rows (or none that is an integer, or
+integers beyond int64) the column holds string ids. A NUL byte in any column read is an error.
 
 Times become integer unix seconds (the model's time bias buckets log-seconds): numbers are divided
 by the unit and floored; a column that is not numeric is read as ISO 8601 dates
-("2022-04-08 12:30:00", "2022-04-08T12:30:00+02:00", "2022-04-08"; UTC unless an offset is given).
+("2022-04-08 12:30:00", "2022-04-08T12:30:00+02:00", "2022-04-08T12:30:00Z", "2022-04-08"; UTC
+unless an offset or Z is given; fractions of a second are floored). Dates without an offset are
+converted by numpy in one call; dates with one by ``datetime.fromisoformat``, once per distinct
+string (numpy's own offset parsing is deprecated and crashed the process on large columns).
 
 Speed: lines are cut into fields with one ``bytes.split`` per 64 MB block and each column is
 converted by numpy (no per-line Python), about 1-2 s per million rows. Blocks holding a double quote
-go through the csv module instead (quoted fields may hold the separator or a newline). Errors name
+go through the csv module instead (quoted fields may hold the separator or a newline; a quote the
+file never closes is an error naming the line it opens on). Errors name
 ``FILE:LINE`` (and ``:FIELD``, 1-based, for a bad value) and the key to set.
 
 Parquet files (.parquet, .pq) are read with pyarrow when it is installed (``pip install pyarrow``);
@@ -33,7 +42,9 @@ import csv
 import io
 import itertools
 import re
+import sys
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -137,22 +148,68 @@ def _fast_fields(path: Path, block: bytes, lineno: int, sep: str, ncols: int,
 
 
 def _quoted_fields(path: Path, block: bytes, lineno: int, sep: str, ncols: int,
-                   wanted: list[int]) -> tuple[list[list[bytes]], np.ndarray]:
-    """The same through the csv module, for blocks with quotes (a record may span lines)."""
+                   wanted: list[int], at_eof: bool = False) -> tuple[list[list[bytes]], np.ndarray]:
+    """The same through the csv module, for blocks with quotes (a record may span lines).
+    ``at_eof``: the block ends the file, so a quoted field still open at its end is an error (the
+    csv module would take the rest of the file as that field, swallowing every later line)."""
     text = block.decode("utf-8", errors="surrogateescape")
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep)
     columns: list[list[bytes]] = [[] for _ in wanted]
     lines = []
-    start = 1  # line (within the block) where the next record starts
-    for row in reader:
+    start = last = 1  # line (within the block) where the next / the last record starts
+    for row in _records(reader, path, lineno, lambda: start):
         if len(row) != ncols:
             physical = text.split("\n")[start - 1] if row else ""
+            if at_eof and _exhausted(reader):  # the file's last record: an open quote?
+                _check_closed(path, text, start, lineno, sep)
             raise _bad_line(path, lineno + start - 1, physical, ncols, sep, len(row))
         for out, c in zip(columns, wanted):
             out.append(row[c].encode("utf-8", errors="surrogateescape"))
         lines.append(lineno + start - 1)
-        start = reader.line_num + 1
+        last, start = start, reader.line_num + 1
+    if at_eof and lines:
+        _check_closed(path, text, last, lineno, sep)
     return columns, np.asarray(lines, dtype=np.int64)
+
+
+def _exhausted(reader) -> bool:
+    try:
+        return next(reader, None) is None
+    except csv.Error:
+        return False
+
+
+def _records(reader, path: Path, lineno: int, start):
+    """The rows of ``reader``; its errors (a field over the csv module's 131,072-character limit:
+    an unclosed quote running on through the file) as ``DataError`` naming the line where the
+    record starts (``start()``, within the block that starts on line ``lineno``)."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise DataError(f"{path}:{lineno + start() - 1}: cannot read the record starting on this line ({exc}): "
+                            f"a double quote (\") that is never closed? Close it or remove it") from None
+        yield row
+
+
+def _check_closed(path: Path, text: str, start: int, lineno: int, sep: str) -> None:
+    """``DataError`` when the record starting on line ``start`` of ``text`` (the file's last) opens
+    a quoted field that the file never closes. A strict csv reader over that record alone tells:
+    it raises "unexpected end of data" there (a stray quote inside an unquoted field, 5" screen,
+    is text to both readers)."""
+    tail = "\n".join(text.split("\n")[start - 1:])
+    try:
+        for _ in csv.reader(io.StringIO(tail, newline=""), delimiter=sep, strict=True):
+            pass
+    except csv.Error as exc:
+        if "unexpected end of data" not in str(exc):
+            return  # a quirk the lenient reader accepts ("ab"c); not an open quote
+        first = tail.split("\n", 1)[0].rstrip("\r")
+        raise DataError(f"{path}:{lineno + start - 1}: a quoted field opened on this line is never closed: the "
+                        f"file ends inside it ({first[:120]!r}); add the closing double quote (\") or remove the "
+                        f"stray one") from None
 
 
 _INT64_LIMITS = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
@@ -199,20 +256,43 @@ class _Retry(Exception):
 
 
 def _read_columns(path: Path, start: int, first_lineno: int, sep: str, ncols: int, kinds: dict[int, list[str]],
-                  block_bytes: int) -> tuple[dict[int, np.ndarray], np.ndarray]:
+                  block_bytes: int, labels: dict[int, str] | None = None) -> tuple[dict[int, np.ndarray], np.ndarray]:
     """Columns ``kinds`` (index -> kinds to try in order, e.g. ``["int", "float", "bytes"]``) of
     every data line, each ``[N]`` of the first kind that parses every value, and ``lines[N] int64``.
     A value a column's kind cannot parse moves the column to its next kind; when earlier blocks
-    were already converted the read starts over (string ids fail on the first block: no re-read)."""
+    were already converted the read starts over (string ids fail on the first block: no re-read).
+    ``labels`` (index -> "column 'sku', data.csv_item") name columns in errors."""
     while True:
         try:
-            return _read_pass(path, start, first_lineno, sep, ncols, kinds, block_bytes)
+            return _read_pass(path, start, first_lineno, sep, ncols, kinds, block_bytes, labels or {})
         except _Retry:
             continue
 
 
+def _with_last(blocks):
+    """``(block, lineno, is_last)`` for each of ``blocks``."""
+    previous = None
+    for item in blocks:
+        if previous is not None:
+            yield (*previous, False)
+        previous = item
+    if previous is not None:
+        yield (*previous, True)
+
+
+def _no_nul(path: Path, values: list[bytes], lines: np.ndarray, c: int, label: str) -> None:
+    """``DataError`` at the first value holding a NUL byte: never text, always damage (and numpy's
+    bytes arrays would drop a trailing one, silently merging "12\\x00" into "12")."""
+    if b"\x00" not in b"".join(values):
+        return
+    row = next(r for r, v in enumerate(values) if b"\x00" in v)
+    value = values[row].decode("utf-8", errors="backslashreplace")
+    raise DataError(f"{path}:{int(lines[row])}:{c + 1}: value {value[:40]!r}{f' ({label})' if label else ''} holds "
+                    f"a NUL byte (\\x00): the file is damaged here; fix or remove the line")
+
+
 def _read_pass(path: Path, start: int, first_lineno: int, sep: str, ncols: int, kinds: dict[int, list[str]],
-               block_bytes: int) -> tuple[dict[int, np.ndarray], np.ndarray]:
+               block_bytes: int, labels: dict[int, str]) -> tuple[dict[int, np.ndarray], np.ndarray]:
     wanted = sorted(kinds)
     parts: list[dict[int, np.ndarray]] = []
     line_parts = []
@@ -226,24 +306,28 @@ def _read_pass(path: Path, start: int, first_lineno: int, sep: str, ncols: int, 
                 if parts:
                     raise _Retry(c)
                 part[c] = _convert(values, kinds[c][0])
+            if kinds[c][0] == "bytes":
+                _no_nul(path, values, lines, c, labels.get(c, ""))
         parts.append(part)
         line_parts.append(lines)
 
     pending, pending_line = b"", 0
-    for block, lineno in _blocks(path, start, block_bytes):
+    for block, lineno, last in _with_last(_blocks(path, start, block_bytes)):
         if start == 0 and lineno == 1 and block.startswith(_BOM):  # a headerless file's byte-order mark
             block = block[len(_BOM):]
         if pending:
             block, lineno = pending + block, pending_line
-        if block.count(b'"') % 2:  # a quoted field runs on into the next block
+        if block.count(b'"') % 2 and not last:  # a quoted field runs on into the next block
             pending, pending_line = block, lineno
             continue
         pending = b""
-        parse = _quoted_fields if (b'"' in block and len(sep) == 1) else _fast_fields
-        add(*parse(path, block, lineno + first_lineno - 1, sep, ncols, wanted))
-    if pending:  # an unclosed quote: the csv module reads to the end of the file
-        parse = _quoted_fields if len(sep) == 1 else _fast_fields
-        add(*parse(path, pending, pending_line + first_lineno - 1, sep, ncols, wanted))
+        if b'"' in block and len(sep) == 1:
+            # through the csv module; in the file's last block a quoted field still open at its
+            # end is an error (an odd number of quotes there: an unclosed one, or a stray one)
+            fields = _quoted_fields(path, block, lineno + first_lineno - 1, sep, ncols, wanted, at_eof=last)
+        else:
+            fields = _fast_fields(path, block, lineno + first_lineno - 1, sep, ncols, wanted)
+        add(*fields)
     if not parts:
         return {c: np.array([], dtype=bytes) for c in wanted}, np.array([], dtype=np.int64)
     return {c: np.concatenate([p[c] for p in parts]) for c in wanted}, np.concatenate(line_parts)
@@ -258,12 +342,65 @@ def _is_number(value: bytes) -> bool:
 
 
 def _is_date(value: bytes) -> bool:
+    return _date_seconds(np.array([value.strip()])) is not None
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _with_offset(text: np.ndarray) -> np.ndarray:
+    """``[N] bool``: which dates (bytes, "YYYY-MM-DD..." per ``_dated``) carry a UTC offset or a Z:
+    a sign or a trailing Z after the 10-character date."""
+    return ((np.char.find(text, b"+", 10) >= 0) | (np.char.find(text, b"-", 10) >= 0)
+            | np.char.endswith(text, b"Z") | np.char.endswith(text, b"z"))
+
+
+def _offset_seconds(value: bytes) -> int | None:
+    """Unix seconds (floored) of one ISO 8601 date with an offset or Z; None when it is not one."""
+    try:
+        date = datetime.fromisoformat(value.decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if date.tzinfo is None:
+        date = date.replace(tzinfo=timezone.utc)
+    delta = date - _EPOCH  # days, seconds (0..86399) and microseconds (dropped): floored seconds
+    return delta.days * 86_400 + delta.seconds
+
+
+def _naive_seconds(text: np.ndarray) -> np.ndarray | None:
+    """``[N] int64`` unix seconds of dates without an offset (numpy reads them as UTC, floors
+    fractions of a second); None when some value is not a date."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return not np.isnat(np.datetime64(value.decode("utf-8", errors="replace").strip(), "s"))
+            dates = text.astype("datetime64[s]")
     except ValueError:
-        return False
+        return None
+    if np.isnat(dates).any():
+        return None
+    return dates.astype(np.int64)
+
+
+def _date_seconds(text: np.ndarray) -> np.ndarray | None:
+    """``[N] int64`` unix seconds of ISO 8601 dates (bytes, stripped), None when some value is not
+    one. Dates without an offset go through numpy in one call; those with an offset or Z through
+    ``datetime.fromisoformat``, once per distinct string (numpy's deprecated offset parsing
+    segfaulted on a few hundred rows)."""
+    aware = _with_offset(text)
+    if not aware.any():
+        return _naive_seconds(text)
+    out = np.empty(len(text), dtype=np.int64)
+    if not aware.all():
+        naive = _naive_seconds(text[~aware])
+        if naive is None:
+            return None
+        out[~aware] = naive
+    distinct, inverse = np.unique(text[aware], return_inverse=True)
+    seconds = [_offset_seconds(v) for v in distinct.tolist()]
+    if None in seconds:
+        return None
+    out[aware] = np.asarray(seconds, dtype=np.int64)[inverse.reshape(-1)]
+    return out
 
 
 def _dated(text: np.ndarray) -> bool:
@@ -302,9 +439,28 @@ class _Column:
         return np.char.strip(values)
 
 
+# An id column whose non-integer values are fewer than this share of its rows holds integer ids
+# with damaged values (an error), not string ids: one stray value must not renumber every item.
+# String ids that are mostly digits stay strings (Amazon ASINs: ISBN-10s like "0439023483", some
+# ending in X, next to "B000123456").
+_MALFORMED_SHARE = 0.01
+
+
+def _integer_like(text: np.ndarray) -> np.ndarray:
+    """``[K] bool``: which values (bytes, stripped) are an optional sign and ASCII digits."""
+    if len(text) == 0 or text.dtype.itemsize == 0:
+        return np.zeros(len(text), dtype=bool)
+    u8 = np.ascontiguousarray(text).view(np.uint8).reshape(len(text), -1)
+    digits = ((u8 >= ord("0")) & (u8 <= ord("9"))).sum(axis=1)
+    signed = (u8[:, 0] == ord("+")) | (u8[:, 0] == ord("-"))
+    return (digits > 0) & (digits + signed == np.char.str_len(text))
+
+
 def _ids(col: _Column) -> np.ndarray:
-    """``[N] int64``: integer ids as they are, anything else as strings mapped to dense 1..K
-    (k = rank of the string among the distinct strings, in byte order)."""
+    """``[N] int64``: integer ids as they are, string ids mapped to dense 1..K (k = rank of the
+    string among the distinct strings, in byte order; a note on stderr says so). A column of
+    integers but for fewer than ``_MALFORMED_SHARE`` of its rows is an error at the first other
+    value (module docstring)."""
     values = col.values
     if values.dtype.kind in "iu":
         return values.astype(np.int64)
@@ -316,8 +472,27 @@ def _ids(col: _Column) -> np.ndarray:
         row = int(empty[0])
         raise DataError(f"{col.where(row)}: the {col.role} id is empty ({col.describe()}); every row needs one "
                         f"(fill it in or remove the row)")
-    _, dense = np.unique(text, return_inverse=True)
-    return dense.reshape(-1).astype(np.int64) + 1
+    distinct, dense = np.unique(text, return_inverse=True)
+    dense = dense.reshape(-1)
+    integer = _integer_like(distinct)
+    n = len(text)
+    n_int = int(np.bincount(dense, minlength=len(distinct))[integer].sum())
+    n_other = n - n_int
+    if n_int and n_other and n_other < _MALFORMED_SHARE * n:
+        row = int(np.flatnonzero(~integer[dense])[0])
+        raw = values[row]
+        raw = raw.decode("utf-8", errors="backslashreplace") if isinstance(raw, bytes) else str(raw)
+        raise DataError(f"{col.where(row)}: {col.role} id {raw[:40]!r} ({col.describe()}) is not an integer, but "
+                        f"{n_int:,} of the {n:,} rows hold integers: a damaged value? Fix or remove the line "
+                        f"({n_other:,} row{'s' if n_other != 1 else ''} hold{'s' if n_other == 1 else ''} "
+                        f"non-integers; a column is read as string ids only when at least "
+                        f"{_MALFORMED_SHARE:.0%} of its rows do)")
+    why = ("" if not n_int else f" ({n_other:,} of {n:,} rows are not integers)" if n_other else
+           " (integers stored as text or beyond int64)")
+    print(f"grf: note: {col.path}: the {col.role} ids ({col.describe()}) are read as strings{why}: the "
+          f"{len(distinct):,} distinct ids were mapped to dense ints 1..{len(distinct):,} (in byte order)",
+          file=sys.stderr, flush=True)
+    return dense.astype(np.int64) + 1
 
 
 def _ratings(col: _Column) -> np.ndarray:
@@ -355,20 +530,23 @@ def _seconds(col: _Column, unit: str) -> np.ndarray:
         return np.floor(values / divisor).astype(np.int64)
     text = col.as_bytes()
     if _dated(text):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "no explicit representation of timezones": converted to UTC
-                dates = text.astype("datetime64[s]")
-            if not np.isnat(dates).any():
-                return dates.astype(np.int64)
-        except ValueError:
-            pass
-    row = next((r for r, v in enumerate(text) if not _is_number(v) and not _is_date(v)), None)
-    if row is None:  # every value is a number or a date, but not all the same kind
-        number = next(r for r, v in enumerate(text) if _is_number(v))
-        date = next(r for r, v in enumerate(text) if not _is_number(v))
+        seconds = _date_seconds(text)
+        if seconds is not None:
+            return seconds
+    known: dict[bytes, bool] = {}  # value -> number or date (each distinct value parsed once)
+
+    def readable(v: bytes) -> bool:
+        if v not in known:
+            known[v] = _is_number(v) or _is_date(v)
+        return known[v]
+
+    row = next((r for r, v in enumerate(text) if not readable(v)), None)
+    number = next((r for r, v in enumerate(text) if _is_number(v)), None)
+    date = next((r for r, v in enumerate(text) if not _is_number(v)), None)
+    if row is None and number is not None and date is not None:  # numbers and dates, mixed
         raise DataError(f"{col.where(date)}: time {col.text(date)!r} ({col.describe()}) is a date, but "
                         f"{col.where(number)} holds the number {col.text(number)!r}; write every time the same way")
+    row = 0 if row is None else row
     raise DataError(f"{col.where(row)}: time {col.text(row)!r} ({col.describe()}) is neither a number nor an ISO 8601 "
                     f"date; write unix time in data.csv_time_unit units (now {unit!r}) or dates like "
                     f"2022-04-08T12:30:00")
@@ -423,8 +601,9 @@ def load_csv(path: str | Path, *, sep: str = "", header: bool = True, user: str 
     start, first_lineno = (offset, 2) if header else (0, 1)
     tries = {"user": ["int", "bytes"], "item": ["int", "bytes"], "time": ["int", "float", "bytes"],
              "rating": ["float", "bytes"]}
+    labels = {i: f"column {names[i] if names else str(i)!r}, data.csv_{role}" for role, i in index.items()}
     columns, lines = _read_columns(path, start, first_lineno, sep, ncols,
-                                   {i: list(tries[role]) for role, i in index.items()}, block_bytes)
+                                   {i: list(tries[role]) for role, i in index.items()}, block_bytes, labels)
     if len(lines) == 0:
         raise DataError(f"{path}: no data rows after the header" if header else f"{path}: no data rows")
     raw = {role: _Column(path, columns[i], lines, i, names[i] if names else str(i), role)

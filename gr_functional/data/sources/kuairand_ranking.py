@@ -30,6 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
+from ..registry import DatasetSpec, register_dataset
+from .kuairand import load_kuairand_log
+from .kuairand_features import load_kuairand_features
 
 ACTION_BITS = (("is_click", 1), ("is_like", 2), ("is_follow", 4), ("is_comment", 8), ("is_forward", 16),
                ("is_hate", 32), ("long_view", 64), ("is_profile_enter", 128))
@@ -156,3 +159,24 @@ def load_gr_processed(path: str | Path) -> RankingSequences:
     columns = {c: np.concatenate(chunks[c]) if chunks[c] else np.zeros(0, np.int64) for c in SEQUENCE_COLUMNS}
     return RankingSequences(np.asarray(users, np.int64), offsets, columns,
                             {c: np.asarray(v, np.int64) for c, v in context.items()})
+
+
+def _needs_path(cfg) -> str:
+    if not cfg.data.path:
+        raise DataError(f"data.dataset={cfg.data.dataset!r} reads a file: set data.path (GR's processed_seqs.csv for "
+                        f"kuairand-rank-gr, an official KuaiRand log csv for kuairand-rank-log)")
+    return cfg.data.path
+
+
+def _load_gr(cfg, path):
+    return load_gr_processed(_needs_path(cfg))
+
+
+def _load_log(cfg, path):
+    return sequences_from_log(load_kuairand_log(_needs_path(cfg), columns=LOG_COLUMNS),
+                              load_kuairand_features(kind="user"))
+
+
+register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.csv)", _load_gr, needs_file=False,
+                             task="ranking"))
+register_dataset(DatasetSpec("kuairand-rank-log", "KuaiRand log", _load_log, needs_file=False, task="ranking"))

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...embedding.hashtable import hashed_init
 from ...errors import DataError
+from ..registry import DatasetSpec, register_dataset
 from ..stream import KUAIRAND_27K_ITEMS
 from .kuairand_features import load_kuairand_features
 from .kuairand_ranking import ACTION_BITS, CONTEXT_FEATURES, appearance_codes
@@ -145,3 +146,12 @@ class KuaiRandRankingStream:
         for col in out.values():
             col.setflags(write=False)                                               # cached: shared by callers
         return out
+
+
+def _load_stream(cfg, path):
+    d = cfg.data
+    return KuaiRandRankingStream(seed=d.seed, max_events=d.synthetic_max_events, num_users=d.synthetic_users)
+
+
+register_dataset(DatasetSpec("kuairand-rank-stream", "KuaiRand-27K-shaped ranking stream", _load_stream,
+                             needs_file=False, task="ranking"))

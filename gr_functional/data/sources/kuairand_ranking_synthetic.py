@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DataError
+from ..registry import DatasetSpec, register_dataset
 from ..synthetic import exposure_percentiles, sample_lengths
 from .kuairand_features import load_kuairand_features
 from .kuairand_ranking import ACTION_BITS, CONTEXT_FEATURES, RankingSequences, appearance_codes
@@ -146,3 +147,15 @@ def synthetic_ranking(num_users: int = 1000, num_items: int = 20000, max_events:
         # the engagements' probabilities given the click that was drawn; a click's own is unconditional
         columns.update({f"p_{name}": p for name, p in probs.items()})
     return RankingSequences(np.arange(num_users, dtype=np.int64), offsets, columns, context)
+
+
+def _load_preset(cfg, path):
+    """``data.dataset = "kuairand-rank-synthetic"``: the generator at ``data.synthetic_*``, every user
+    long enough for three windows of ``ranking.num_candidates`` (train, valid, test)."""
+    d = cfg.data
+    return synthetic_ranking(d.synthetic_users, d.synthetic_items, d.synthetic_max_events, d.zipf_a, seed=d.seed,
+                             min_events=3 * cfg.ranking.num_candidates + 1)
+
+
+register_dataset(DatasetSpec("kuairand-rank-synthetic", "KuaiRand-1K-scale synthetic ranking stream", _load_preset,
+                             needs_file=False, task="ranking"))

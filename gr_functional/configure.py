@@ -1,0 +1,87 @@
+"""A config as a user wrote it, resolved and fully checked: the TOML file, ``--set`` overrides, the
+plugins it names imported, the schema's checks (``config.build_config``), then each registry's
+check of the section it owns. The schema (``config.py``) imports nothing of the project; this
+module sits above the registries so that it can ask each of them.
+
+    cfg = load_config("experiments/configs/quickstart.toml", ["loss.name=bpr"], plugins=["my_loss.py"])
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends import kernels, row_kernels
+
+from . import hooks, losses, optimizers
+from .config import Config, ConfigError, build_config, problem_message, read_values
+from .data import registry as datasets
+from .plugins import import_plugins, normalise
+
+
+def _kernel_problems(cfg: Config) -> list[tuple[str, str, str]]:
+    problem = kernels.check_config(cfg)
+    return [("backend", "hstu_kernel", problem)] if problem else []
+
+
+def _row_kernel_problems(cfg: Config) -> list[tuple[str, str, str]]:
+    b = cfg.backend
+    table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
+    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer, table_dim, cfg.optim.weight_decay)
+    return [("backend", "row_kernel", problem)] if problem else []
+
+
+def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
+    problem = optimizers.check_config(cfg)
+    if problem is None and cfg.optim.name != "adamw":
+        # registered and tested (tests/differential/test_optimizers.py), but the training step still
+        # applies gr_functional/optim.py's AdamW: training under another name would silently be AdamW
+        problem = ("the training step applies AdamW only so far (the other registered optimizers are "
+                   "usable through gr_functional.optimizers in your own loop); set optim.name='adamw'")
+    return [("optim", "name", problem)] if problem else []
+
+
+# Each registry's check of its own section, in the order a user would fix them.
+CHECKS = (_kernel_problems, _row_kernel_problems, losses.check_config, hooks.check_config, datasets.check_config,
+          _optimizer_problems)
+
+
+def check_registries(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+    """ConfigError for the first registry name of ``cfg`` that is not registered or not usable."""
+    for check in CHECKS:
+        for section, key, message in check(cfg):
+            raise ConfigError(problem_message(cfg, section, key, message, source, origins))
+
+
+def resolve(values: dict, source: str = "<config>", origins: dict | None = None) -> Config:
+    """``build_config`` plus the registries' checks: a config a user wrote."""
+    cfg = build_config(values, source, origins)
+    check_registries(cfg, source, origins)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
+    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides
+    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs). ``plugins`` (``grf
+    train --plugin``) are appended to ``train.plugins``; all of them are imported before the
+    config is checked, so the names they register are valid."""
+    values, source, origins = read_values(path, overrides)
+    _import_plugins(values, source, origins, list(plugins))
+    return resolve(values, source, origins)
+
+
+def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> None:
+    train = values.get("train")
+    if extra:
+        values["train"] = train = dict(train) if isinstance(train, dict) else {}
+        listed = train.get("plugins", ())
+        if not isinstance(listed, (list, tuple)):
+            return  # malformed (a string?): build_config reports it, not a split into characters
+        train["plugins"] = [*listed, *extra]
+        origins.setdefault(("train", "plugins"), f"--plugin {' --plugin '.join(extra)}")
+    entries = train.get("plugins") if isinstance(train, dict) else None
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):
+        return  # absent, or malformed: build_config reports it
+    train["plugins"] = [normalise(e) for e in entries]
+    import_plugins(train["plugins"], where=origins.get(("train", "plugins"), f"{source}: train.plugins"))
+
+
+__all__ = ["CHECKS", "check_registries", "load_config", "resolve"]

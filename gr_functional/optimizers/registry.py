@@ -1,0 +1,116 @@
+"""Optimizers by name: ``optim.name`` in a config picks one, ``build`` makes its transform.
+
+    @register_optimizer("my_opt")
+    def my_opt(cfg: OptimConfig, learning_rate) -> GradientTransformation: ...
+
+A builder gets the ``OptimConfig`` and the learning rate (a number, or the schedule of
+``optim.schedule``: ``schedules.from_config``) and returns a transform. Shipped: ``adamw``,
+``adagrad``, ``sgd`` (``optim.momentum``, ``optim.nesterov``; momentum 0 = plain SGD), ``lion``
+(``beta1``/``beta2``). ``"optax:NAME"`` (JAX backend only) builds ``optax.NAME(learning_rate=
+schedule, ...)`` with the config's matching hyper-parameters (``optax_adapter``); the prefix is
+reserved, so no registered name starts with it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import ConfigError
+from ..registry import Registry
+from . import optimizers as opt
+from .schedules import from_config
+from .transform import GradientTransformation
+
+if TYPE_CHECKING:
+    from ..config import OptimConfig
+
+OPTAX_PREFIX = "optax:"
+
+OPTIMIZERS: Registry[Callable] = Registry(
+    "optimizer", config_key="optim.name",
+    how="Set optim.name to one of them (or 'optax:' and an optax optimizer's name on the JAX backend), or register one with "
+        "@gr_functional.optimizers.register_optimizer(NAME) in a module passed to grf train --plugin")
+
+
+def register_optimizer(name: str, *, replace: bool = False):
+    """Decorator: register ``builder(cfg: OptimConfig, learning_rate) -> GradientTransformation``
+    as ``name``. A name already taken by another definition is refused (``ValueError``) unless
+    ``replace=True``."""
+    if not isinstance(name, str) or not name or name.startswith(OPTAX_PREFIX):
+        raise ValueError(f"optimizer name {name!r}: a non-empty name not starting with {OPTAX_PREFIX!r} "
+                         f"(reserved for optax's optimizers)")
+
+    def decorate(builder: Callable) -> Callable:
+        OPTIMIZERS.add(name, builder, replace=replace)
+        return builder
+
+    return decorate
+
+
+def names() -> tuple[str, ...]:
+    return OPTIMIZERS.names()
+
+
+def _optim(cfg) -> "OptimConfig":
+    return getattr(cfg, "optim", cfg)
+
+
+def check_config(cfg) -> str | None:
+    """Why ``cfg.optim.name`` cannot be built (a message naming ``optim.name``), or None. ``cfg``:
+    a whole ``Config`` (its ``backend.name`` is checked for ``optax:``) or an ``OptimConfig``."""
+    name = _optim(cfg).name
+    backend = getattr(getattr(cfg, "backend", None), "name", None)
+    if isinstance(name, str) and name.startswith(OPTAX_PREFIX):
+        if backend is not None and backend != "jax":
+            return optax_refusal(name, backend)
+        from .optax_adapter import optax_problem  # imports optax: only for an optax name on JAX
+
+        return optax_problem(name[len(OPTAX_PREFIX):])
+    if name not in OPTIMIZERS:
+        return OPTIMIZERS.unknown_message(name)
+    return None
+
+
+def optax_refusal(name: str, backend: str) -> str:
+    return (f"optim.name={name!r} is an optax optimizer, which runs on the JAX backend only (this backend: "
+            f"{backend!r}); set backend.name=jax, or optim.name to one of {', '.join(names())}")
+
+
+def build(B, optim_cfg) -> GradientTransformation:
+    """The transform of ``optim_cfg.name`` (an ``OptimConfig``, or a ``Config``) with its schedule,
+    for backend ``B``. ConfigError naming ``optim.name`` for an unknown name or an optax name off
+    JAX."""
+    optim = _optim(optim_cfg)
+    name = optim.name
+    schedule = from_config(optim)
+    if name.startswith(OPTAX_PREFIX):
+        if B.name != "jax":
+            raise ConfigError(optax_refusal(name, B.name))
+        from .optax_adapter import build_optax  # imports optax (and jax): only when one is asked for
+
+        return build_optax(B, name[len(OPTAX_PREFIX):], optim, schedule)
+    builder = OPTIMIZERS.get_or(name, lambda msg: ConfigError(f"optim.name={name!r}: {msg}"))
+    return builder(optim, schedule)
+
+
+# ----------------------------------------------------------------------------- shipped
+@register_optimizer("adamw")
+def _adamw(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
+    return opt.adamw(learning_rate, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+@register_optimizer("adagrad")
+def _adagrad(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
+    return opt.adagrad(learning_rate, initial_accumulator_value=cfg.initial_accumulator, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay)
+
+
+@register_optimizer("sgd")
+def _sgd(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
+    # momentum 0 is plain SGD (no trace state); with nesterov the trace is kept even at 0
+    momentum = cfg.momentum if (cfg.momentum or cfg.nesterov) else None
+    return opt.sgd(learning_rate, momentum=momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+
+
+@register_optimizer("lion")
+def _lion(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
+    return opt.lion(learning_rate, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
