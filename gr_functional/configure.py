@@ -31,11 +31,10 @@ def _row_kernel_problems(cfg: Config) -> list[tuple[str, str, str]]:
 
 def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
     problem = optimizers.check_config(cfg)
-    if problem is None and cfg.optim.name != "adamw":
-        # registered and tested (tests/differential/test_optimizers.py), but the training step still
-        # applies gr_functional/optim.py's AdamW: training under another name would silently be AdamW
-        problem = ("the training step applies AdamW only so far (the other registered optimizers are "
-                   "usable through gr_functional.optimizers in your own loop); set optim.name='adamw'")
+    if problem is None and cfg.optim.name.startswith(optimizers.OPTAX_PREFIX):
+        # optax states are NamedTuples; a run's checkpoints hold dict trees (opt.step, opt.mu.*)
+        problem = ("optax optimizers train in your own loop (gr_functional.optimizers.from_optax); grf train "
+                   "checkpoints dict states: use one of " + ", ".join(map(repr, optimizers.names())))
     return [("optim", "name", problem)] if problem else []
 
 

@@ -57,7 +57,7 @@ from .hooks import (RESTART, Evaluation, LocalComm, Run, StepResult, TensorBoard
                     last_healthy, make_steps, named_hooks)
 from .embedding.lookup import make_host, table_params
 from .embedding.sharding import assemble_table, make_sharded
-from .train import init_loss_scale, init_opt_state, make_scorer
+from .train import dense_state, init_loss_scale, init_opt_state, make_scorer
 from .tree import tree_items
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
 
@@ -196,8 +196,9 @@ def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max
 # and backend precision/dtype changes are allowed with a warning.
 _MATCH_SECTIONS = ("data", "model", "loss", "embedding", "ranking")
 _MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
+_MATCH_OPTIM = ("name",)  # the optimizer state's layout is the optimizer's
 # model.attention_tile only lays out the attention's work (same results up to float rounding)
-_NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim)] + [("backend", "precision"),
+_NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim) if f.name not in _MATCH_OPTIM] + [("backend", "precision"),
                                                                                 ("backend", "dtype"),
                                                                                 ("model", "attention_tile"),
                                                                                 ("embedding", "lr")]
@@ -208,7 +209,7 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
     errors, notes = [], []
     keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))
             if (s, f.name) not in _NOTE_KEYS]
-    keys += [("train", k) for k in _MATCH_TRAIN]
+    keys += [("train", k) for k in _MATCH_TRAIN] + [("optim", k) for k in _MATCH_OPTIM]
     if saved.data.ties == now.data.ties == "file":
         keys.remove(("data", "ties_seed"))  # the seed of a rule not in use orders nothing
     for section, key in keys:
@@ -396,7 +397,7 @@ def _world_size() -> int:
 
 
 def check_param_shapes(ck: Checkpoint) -> None:
-    """``CheckpointError`` when the checkpoint's params (and AdamW moments) do not have the shapes
+    """``CheckpointError`` when the checkpoint's params (and optimizer moments) do not have the shapes
     its own embedded config gives (``model.param_shapes``): an edited or mis-assembled file."""
     cfg = ck.config
     if cfg.model.task == "ranking":
@@ -410,7 +411,9 @@ def check_param_shapes(ck: Checkpoint) -> None:
     trees = [("params", ck.params, expected)]
     moments = {k: v for k, v in expected.items() if not (k == "item_emb" and cfg.embedding.optimizer != "adamw")}
     if ck.opt_state is not None:
-        trees += [(f"opt.{m}", ck.opt_state[m], moments) for m in ("mu", "nu") if m in ck.opt_state]
+        # every moment tree of the dense optimizer (AdamW's mu and nu, Adagrad's sum_of_squares, ...)
+        trees += [(f"opt.{m}", tree, moments) for m, tree in dense_state(ck.opt_state).items()
+                  if isinstance(tree, dict)]
     for name, tree, expected in trees:
         got = {k: tuple(np.shape(v)) for k, v in tree_items(tree)}
         if got != expected:
@@ -473,7 +476,7 @@ def _find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, f
                                   f"use another --out")
         return None, events
     _, notes = resume_differences(restored.config, cfg)
-    if restored.opt_state is None or not {"step", "mu", "nu"} <= set(restored.opt_state):
+    if restored.opt_state is None or "step" not in restored.opt_state:
         raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
                               f"but not resumed")
     if "loader" not in restored.meta or "run" not in restored.meta:

@@ -44,37 +44,63 @@ from .balance import rank_loss_weight
 from .batch import HSTUBatch
 from .config import Config, Precision, choices
 from .embedding import rowopt
+from .errors import ConfigError
 from .embedding.lookup import Lookup, looked_up_rows
-from .optim import adamw_init, adamw_update, learning_rate
+from .optim import learning_rate
+from .optimizers import GradientTransformation, apply_updates
+from .optimizers import build as build_optimizer
 from .tree import tree_items, tree_map
 
 PRECISIONS = choices(Precision)
-_ADAM_KEYS = ("step", "mu", "nu")
 TABLE = "item_emb"  # the parameter a row-sparse embedding optimizer updates by rows
+# opt_state keys the step keeps beside the dense optimizer's own (which come from optim.name)
+STEP_KEYS = ("rows", "pending", "loss_scale")
 
 
 def row_sparse(cfg: Config) -> bool:
     """The item table is updated by rows (``embedding.optimizer`` lazy_adam / rowwise_adagrad):
-    batches then carry a ``Lookup`` and the AdamW state leaves the table out."""
+    batches then carry a ``Lookup`` and the dense optimizer's state leaves the table out
+    (``embedding.optimizer = "adamw"`` means: the table is a dense parameter like the others)."""
     return cfg.embedding.optimizer != "adamw"
 
 
 # ----------------------------------------------------------------------------- state
+def dense_optimizer(B, cfg: Config) -> GradientTransformation:
+    """The dense parameters' optimizer: ``optim.name`` from the registry (gr_functional/optimizers),
+    its learning rate the ``optim.schedule``. Its state is a dict with ``"step"`` (the update count,
+    which the row-sparse table's schedule reads too) and its moments (AdamW: ``"mu"``, ``"nu"``)."""
+    return build_optimizer(B, cfg.optim)
+
+
+def dense_state(opt_state: dict) -> dict:
+    """The dense optimizer's part of ``opt_state`` (everything but ``STEP_KEYS``)."""
+    return {k: v for k, v in opt_state.items() if k not in STEP_KEYS}
+
+
+def _dense_init(B, params: dict, cfg: Config) -> dict:
+    state = dense_optimizer(B, cfg).init(B, params)
+    if not isinstance(state, dict) or "step" not in state or set(state) & set(STEP_KEYS):
+        raise ConfigError(f"optim.name={cfg.optim.name!r}: grf train keeps the optimizer state as a dict with a "
+                          f"'step' count and none of the keys {', '.join(STEP_KEYS)}; got "
+                          f"{type(state).__name__} {sorted(state) if isinstance(state, dict) else ''}")
+    return dict(state)
+
+
 def init_opt_state(B, params: dict, cfg: Config) -> dict:
-    """AdamW state ``{"step", "mu", "nu"}`` (``optim.adamw_init``), plus for fp16 the dynamic loss
+    """The dense optimizer's state (``dense_optimizer``; AdamW: ``{"step", "mu", "nu"}``), plus for fp16 the dynamic loss
     scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``. With a
-    row-sparse embedding optimizer, AdamW covers the dense parameters only and ``"rows"`` holds
+    row-sparse embedding optimizer, the dense optimizer covers the dense parameters only and ``"rows"`` holds
     the table's per-row state (``embedding.rowopt.init_row_state``) and, with
     ``embedding.staleness = k > 0``, ``"pending"``: the k row updates not yet applied
     (``rowopt.init_pending``)."""
     if row_sparse(cfg) and TABLE in params:  # (a row-sharded table keeps its state in its shards)
         table = params[TABLE]
-        state = adamw_init(B, _dense(params))
+        state = _dense_init(B, _dense(params), cfg)
         state["rows"] = rowopt.init_row_state(B, cfg.embedding.optimizer, table.shape[0], table.shape[1])
         if cfg.embedding.staleness:
             state["pending"] = rowopt.init_pending(B, cfg.embedding.staleness, table.shape[1])
     else:
-        state = adamw_init(B, params)
+        state = _dense_init(B, params, cfg)
     if cfg.backend.precision == "fp16":
         state["loss_scale"] = init_loss_scale(B, cfg)
     return state
@@ -214,7 +240,8 @@ def update_health(B, params: dict, new_params: dict, new_adam: dict):
 
 def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None,
                  others_ok=None):
-    """The guarded AdamW update and the loss-scale update: ``(params, opt_state, metrics)``.
+    """The guarded optimizer update (``dense_optimizer``; row-sparse rows by ``embedding.optimizer``)
+    and the loss-scale update: ``(params, opt_state, metrics)``.
 
     The update is applied only when the loss, every gradient and the update itself are finite
     and the update moves the parameters by at most ``train.max_update_ratio`` of their norm
@@ -222,7 +249,7 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     back unchanged and ``metrics["finite"]`` is false.
 
     With a ``lookup`` (row-sparse embeddings), ``grads`` are those of ``view`` (``local_params``:
-    the table replaced by the step's rows): dense parameters get AdamW, the looked-up rows the
+    the table replaced by the step's rows): dense parameters get the dense optimizer, the looked-up rows the
     row-sparse optimizer (``sparse_update``), and the norms of the guard cover the dense
     parameters and the looked-up rows (not the untouched rest of the table). ``others_ok``: gradients
     not in ``grads`` are finite too (a row-sharded table's, checked on every rank)."""
@@ -231,13 +258,16 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     grads_ok = xp.logical_and(loss_ok, all_finite(B, grads))
     if others_ok is not None:
         grads_ok = xp.logical_and(grads_ok, others_ok)
-    adam = {k: opt_state[k] for k in _ADAM_KEYS}
+    tx = dense_optimizer(B, cfg)
+    adam = dense_state(opt_state)
     stale = lookup is not None and "pending" in opt_state
     if lookup is None:
-        new_params, new_adam = adamw_update(B, grads, adam, params, cfg.optim)
+        updates, new_adam = tx.update(B, grads, adam, params)
+        new_params = apply_updates(B, params, updates)
         update_ok, ratio = update_health(B, params, new_params, new_adam)
     else:
-        new_dense, new_adam = adamw_update(B, _dense(grads), adam, _dense(params), cfg.optim)
+        updates, new_adam = tx.update(B, _dense(grads), adam, _dense(params))
+        new_dense = apply_updates(B, _dense(params), updates)
         if stale:  # this step's rows are refreshed now; the update applied is the oldest pending one
             table, row_state, pending = refresh_rows(B, params[TABLE], opt_state["rows"], opt_state["pending"],
                                                      view[TABLE], lookup)
@@ -463,7 +493,7 @@ def make_sharded_dist_step(B, cfg: Config, comm, table):
     (``table.lookup``, which left ``pending``). Dense gradients are all-reduced as in
     ``make_dist_train_step``; the rows' gradients stay local and go to the owners
     (``table.update``), which sum them over ranks and apply the row-sparse optimizer. The step
-    is skipped everywhere when any rank's row gradients are not finite. Dense AdamW and the guard
+    is skipped everywhere when any rank's row gradients are not finite. The dense optimizer and the guard
     see the dense parameters (the update ratio leaves the rows out).
 
     ``ahead`` (staleness k >= 1, ``hooks.RankSteps``): called at the start with the first half of

@@ -1,0 +1,73 @@
+"""``optim.name`` in ``grf train``: each registered dense optimizer (gr_functional/optimizers) trains
+through the shared step, keeps its own state in the checkpoints, resumes bitwise after a SIGKILL,
+and takes effect (its trajectory is not AdamW's); a resume under another optimizer and an optax name
+are refused by name. The optimizers' math is tested in tests/differential/test_optimizers.py."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gr_functional.checkpoint import CheckpointDir, read_checkpoint
+from gr_functional.config import ConfigError
+from gr_functional.tree import tree_items
+
+from .common import metrics, run_grf, tiny_config
+from .test_resume import CKPT, _run_until_fault
+
+STATE = {"adamw": {"mu", "nu"}, "adagrad": {"sum_of_squares"}, "sgd": {"trace"}, "lion": {"mu"}}
+
+
+def _opt_keys(out) -> set[str]:
+    ck = read_checkpoint(CheckpointDir(out / "checkpoints").steps()[0][1])
+    return {k.split(".")[0] for k, _ in tree_items(ck.opt_state)}
+
+
+@pytest.mark.parametrize("name", ["adagrad", "sgd", "lion"])
+def test_an_optimizer_by_name_trains_checkpoints_and_resumes_bitwise(name, tmp_path):
+    sets = (f"optim.name={name}", "optim.lr=0.01", "train.epochs=2")
+    ref = tmp_path / "ref"
+    proc = run_grf(ref, *CKPT, *sets)
+    assert proc.returncode == 0, proc.stderr
+    assert _opt_keys(ref) == {"step"} | STATE[name]
+    assert f'name = "{name}"' in (ref / "config.toml").read_text()
+    out = tmp_path / "run"
+    _run_until_fault(out, "after-step@7", *sets)
+    proc = run_grf(out, *CKPT, *sets)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    adamw = tmp_path / "adamw"
+    assert run_grf(adamw, *CKPT, "optim.lr=0.01", "train.epochs=2").returncode == 0
+    losses = [r["loss"] for r in metrics(ref) if r["kind"] == "train"]
+    assert np.all(np.isfinite(losses))
+    assert losses[1:] != [r["loss"] for r in metrics(adamw) if r["kind"] == "train"][1:]
+
+
+def test_sgd_on_jax_equals_torch(tmp_path):
+    """The same transform on both backends: the same losses to float32 noise."""
+    sets = ("optim.name=sgd", "optim.lr=0.05", "train.epochs=1")
+    runs = {}
+    for backend in ("torch", "jax"):
+        out = tmp_path / backend
+        proc = run_grf(out, *sets, args=("--backend", backend))
+        assert proc.returncode == 0, proc.stderr
+        runs[backend] = [r["loss"] for r in metrics(out) if r["kind"] == "train"]
+    assert np.allclose(runs["torch"], runs["jax"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_under_another_optimizer_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert run_grf(out, *CKPT, "train.epochs=1").returncode == 0
+    proc = run_grf(out, *CKPT, "train.epochs=2", "optim.name=sgd")
+    assert proc.returncode == 2 and "optim.name: checkpoint 'adamw', now 'sgd'" in proc.stderr
+
+
+def test_unknown_and_optax_names_are_refused_by_name():
+    with pytest.raises(ConfigError, match="optim.name='lino'.*did you mean 'lion'"):
+        tiny_config("optim.name=lino")
+    with pytest.raises(ConfigError, match="optim.name='optax:adamw'.*JAX backend only"):
+        tiny_config("optim.name=optax:adamw")
+    with pytest.raises(ConfigError, match="optim.name='optax:adamw'.*your own loop"):
+        tiny_config("optim.name=optax:adamw", "backend.name=jax")
+    assert json.dumps(tiny_config("optim.name=lion").optim.name) == '"lion"'
