@@ -83,7 +83,12 @@ delay runs in the background): what the pipelined step hides (``grf bench pipeli
 
 ``grf train --nproc N`` starts each rank through ``gr_functional.rank`` (``python -m gr_functional.rank
 train ...``), which records the rank's exit code in ``$GRF_RANK_EXIT_DIR``; ``job_exit_code``
-turns those into the job's exit code (torchrun itself only says 1).
+turns those into the job's exit code (torchrun itself only says 1). The launcher owns the job's
+lifetime: ``supervise`` kills ranks still running ``STOP_GRACE_S`` after a rank recorded a
+failure (a stopped rank would hold torchrun for its 30 s grace), ``stop_job`` passes Ctrl-C or
+SIGTERM on to torchrun, bounded, and each rank stops when the launcher is gone
+(``watch_launcher``; torchrun also gets SIGTERM then, on Linux); ``reap_exit_dirs`` removes the
+temp folders of launchers that were killed.
 """
 from __future__ import annotations
 
@@ -107,6 +112,13 @@ WARMUP_FACTOR = 10.0     # warmup_after = WARMUP_FACTOR x T
 FLOOR_S = 5.0            # heartbeat / store silences shorter than this are scheduling, never death
 WARMUP_PHASES = ("checkpoint", "eval", "files")   # runner phases after which the next step warms up again
 EXIT_DIR_ENV = "GRF_RANK_EXIT_DIR"                 # set by `grf train --nproc`: where ranks record exit codes
+LAUNCHER_PID_ENV = "GRF_LAUNCHER_PID"              # set by `grf train --nproc`: ranks stop when it is gone
+EXIT_DIR_PREFIX = "grf-ranks-"                     # the launcher's temp folder (in tempfile.gettempdir())
+# a rank recorded a failing exit code: torchrun sends the others SIGTERM at once (they go at once:
+# ranks keep SIGTERM's default action); those still running this much later ignore it (SIGSTOP
+# holds it) and are killed by the launcher instead of after torchrun's own 30 s
+STOP_GRACE_S = 1.0
+STOP_WAIT_S = 10.0   # torchrun's time to exit once its ranks are gone, or to stop them when told to
 SLOW_STEP_ENV = "GRF_FAULT_SLOW_STEP"              # test-only: "STEP:SECONDS,..." (module docstring)
 EXCHANGE_DELAY_ENV = "GRF_FAULT_EXCHANGE_DELAY_S"  # benchmark-only: all-to-all latency (module docstring)
 
@@ -769,17 +781,239 @@ def _slow_steps(rank: int) -> dict[int, float]:
 
 def record_exit(value) -> None:
     """Write this rank's exit code (or "started") to ``$GRF_RANK_EXIT_DIR/rank-RANK`` when the
-    launcher asked for it; best effort (a missing file reads as "no exit code")."""
+    launcher asked for it; best effort (a missing file reads as "no exit code"). "started" also
+    writes the rank's pid (``rank-RANK.pid``: the launcher stops a rank that outlives the job
+    with it) and starts ``watch_launcher``."""
     folder = os.environ.get(EXIT_DIR_ENV)
     if not folder:
         return
     path = Path(folder) / f"rank-{os.environ.get('RANK', '0')}"
     try:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(str(value))
-        os.replace(tmp, path)
+        if value == "started":
+            _write_atomic(path.with_suffix(".pid"), str(os.getpid()))
+        _write_atomic(path, str(value))
     except OSError:
         pass
+    if value == "started":
+        watch_launcher()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed launcher whose parent has not
+    reaped it yet is gone for our purposes)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive (and never ours to judge)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(0) said it exists
+
+
+def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
+    """A rank of ``grf train --nproc N`` stops when its launcher is gone (``kill -9`` of ``grf
+    train``, which cannot stop anything itself): a daemon thread polls the launcher's pid
+    (``$GRF_LAUNCHER_PID``) and this rank's parent (torchrun: its pid changes when it dies), and
+    on either prints one line and ends the rank with exit 4 (``os._exit``: the main thread may be
+    inside a collective), removing the launcher's temp folder on rank 0. The run's lock is the
+    kernel's (``flock``), dropped with the process, so the same command resumes at once. On Linux
+    the launcher also gives torchrun a parent-death signal (SIGTERM), so torchrun stops the ranks
+    itself; this watch is what works everywhere, and also when torchrun dies alone."""
+    try:
+        launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    except ValueError:
+        return None
+    if launcher <= 0:
+        return None
+    parent = os.getppid()
+    rank = os.environ.get("RANK", "0")
+
+    def run():
+        while True:
+            time.sleep(poll_s)
+            if pid_alive(launcher) and os.getppid() == parent:
+                continue
+            orphaned = not pid_alive(launcher)
+            who = f"its launcher (grf train --nproc, pid {launcher})" if orphaned else f"torchrun (pid {parent})"
+            try:
+                print(f"grf: error: rank {rank}: {who} is gone: stopping this rank; rerun the same command to "
+                      f"resume from the last checkpoint", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass
+            if orphaned and rank == "0":  # nobody else will remove it (a later launcher would: reap_exit_dirs)
+                import shutil
+
+                shutil.rmtree(os.environ.get(EXIT_DIR_ENV, ""), ignore_errors=True)
+            else:
+                record_exit(EXIT_DIST_FAILURE)
+            os._exit(EXIT_DIST_FAILURE)
+
+    thread = threading.Thread(target=run, name="grf-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def recorded_exits(folder, nproc: int) -> dict[int, str]:
+    """rank -> what it recorded ("started" or its exit code, as text); ranks with no file left out."""
+    out = {}
+    for r in range(nproc):
+        try:
+            out[r] = (Path(folder) / f"rank-{r}").read_text().strip()
+        except OSError:
+            continue
+    return out
+
+
+def _rank_pid(folder, rank: int) -> int | None:
+    try:
+        return int((Path(folder) / f"rank-{rank}.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def a_rank_failed(folder, nproc: int) -> bool:
+    """Whether some rank recorded a failing exit code (anything but "started" and 0), or ended
+    without one (killed by a signal: "started", and its process is gone)."""
+    for r, text in recorded_exits(folder, nproc).items():
+        if text == "0":
+            continue
+        if text != "started":
+            return True
+        pid = _rank_pid(folder, r)
+        if pid is not None and not pid_alive(pid) and recorded_exits(folder, nproc).get(r) == "started":
+            return True  # read again: it may have recorded its code and exited in between
+    return False
+
+
+def _is_rank_process(pid: int) -> bool:
+    """Whether ``pid`` still runs ``gr_functional.rank`` (where /proc says; else assumed, the pid
+    being this job's own and seconds old)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"gr_functional.rank" in f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def stop_ranks(folder, nproc: int, sig: int | None = None) -> list[int]:
+    """Send ``sig`` (default SIGKILL) to every rank of ``folder`` that recorded "started" but no
+    exit code and still runs (torchrun starts each in its own process group: the group gets it,
+    so what the rank started goes too). Returns the ranks signalled."""
+    import signal
+
+    sig = signal.SIGKILL if sig is None else sig
+    hit = []
+    for r, text in recorded_exits(folder, nproc).items():
+        pid = _rank_pid(folder, r)
+        if text != "started" or pid is None:
+            continue
+        if not pid_alive(pid) or not _is_rank_process(pid):
+            continue
+        try:
+            if hasattr(os, "killpg") and os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+            hit.append(r)
+        except OSError:
+            pass
+    return hit
+
+
+def supervise(proc, folder, nproc: int, grace_s: float = STOP_GRACE_S, poll_s: float = 0.2) -> int:
+    """Wait for torchrun (``proc``) and return its exit code, ending the job soon after a rank
+    failed. Once a rank records a failing exit code, torchrun stops the others with SIGTERM, and
+    waits 30 s for those that do not go (a stopped rank: SIGSTOP holds the signal) before it
+    kills them. Here, ranks still running ``grace_s`` after the first recorded failure are killed
+    (their process groups, SIGKILL); torchrun, which then sees every worker gone, is given
+    ``STOP_WAIT_S`` to exit, then SIGTERM, and as long again before SIGKILL."""
+    import subprocess
+
+    failed_at = killed_at = None
+    terminated = False
+    while True:
+        try:
+            return proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if failed_at is None and a_rank_failed(folder, nproc):
+            failed_at = now
+        if failed_at is not None and killed_at is None and now - failed_at >= grace_s:
+            stop_ranks(folder, nproc)
+            killed_at = now
+        if killed_at is not None and now - killed_at >= STOP_WAIT_S:
+            if not terminated:
+                proc.terminate()
+                terminated = True
+            elif now - killed_at >= 2 * STOP_WAIT_S:
+                proc.kill()
+
+
+def stop_job(proc, folder, nproc: int, sig: int, wait_s: float = STOP_WAIT_S) -> None:
+    """The launcher was interrupted (``sig``: SIGINT for Ctrl-C, SIGTERM): pass ``sig`` to torchrun,
+    which passes it to the ranks (torchrun runs in its own process group, so it gets it once,
+    from here); after ``wait_s``, kill whatever is left (ranks, then torchrun)."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop_ranks(folder, nproc)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def make_exit_dir() -> str:
+    """The launcher's temp folder ``grf-ranks-*``, with its pid in ``launcher.pid`` (so a later
+    launcher can tell it was left by one that died: ``reap_exit_dirs``)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=EXIT_DIR_PREFIX)
+    _write_atomic(Path(folder) / "launcher.pid", str(os.getpid()))
+    return folder
+
+
+def reap_exit_dirs() -> list[str]:
+    """Remove the temp folders of launchers that died (``kill -9`` of ``grf train --nproc``): this
+    user's ``grf-ranks-*`` whose ``launcher.pid`` names a process that is gone; a rank of theirs
+    still running is killed first. Returns the folders removed."""
+    import shutil
+    import tempfile
+
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{EXIT_DIR_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / "launcher.pid").read_text())
+        except (OSError, ValueError, AttributeError):
+            continue  # not ours, a folder of an older version, or one being made
+        if pid_alive(pid):
+            continue
+        ranks = [int(p.name[5:]) for p in folder.glob("rank-*") if p.name[5:].isdigit()]
+        stop_ranks(folder, 1 + max(ranks, default=-1))
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
+    return removed
 
 
 def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
@@ -788,8 +1022,8 @@ def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
     2; a NaN abort 3; any other code a rank returned except 4, the lowest (1: an unexpected error,
     5: a failed write; the rank that had it is the root cause, its peers only exit 4); 4 when
     the failures are only ranks that exited 4 (a peer died or hung) or ended without an exit
-    code (killed by a signal, or stopped by torchrun after another rank failed); torchrun's own
-    code when no rank started, or every rank exited 0."""
+    code (killed by a signal, or stopped by torchrun or the launcher after another rank failed);
+    torchrun's own code when no rank started, or every rank exited 0."""
     if launcher_code == 0:
         return 0, "every rank exited 0"
     recorded: dict[int, int | None] = {}
@@ -803,8 +1037,8 @@ def job_exit_code(launcher_code: int, folder, nproc: int) -> tuple[int, str]:
         return launcher_code, "no rank started: torchrun failed before starting them"
     parts = [f"rank {r} " + (f"exited {recorded[r]}" if recorded.get(r) is not None else
                              "never started" if r not in recorded else
-                             "ended without an exit code (killed by a signal, or stopped by torchrun after "
-                             "another rank failed)") for r in range(nproc)]
+                             "ended without an exit code (killed by a signal, or stopped by torchrun or the "
+                             "launcher after another rank failed)") for r in range(nproc)]
     why = "; ".join(parts)
     codes = set(recorded.values())
     for wanted in (2, 3):

@@ -97,7 +97,7 @@ def layer_timer(B, cfg, sequences: int | None = None):
 def calibrate_cost(cfg, backend=None, lengths=None, repeats: int = 5) -> dict:
     """Time one HSTU block (module docstring) and fit ``a L^2 + b L + c``. Returns
     ``{"cost_a", "cost_b", "c", "rel_rmse", "lengths", "seconds", "backend"}``."""
-    from gr_functional.runner import make_backend
+    from gr_functional.runtime import make_backend
 
     B = backend or make_backend(cfg)
     lengths = list(lengths or default_lengths(cfg.model.max_len))

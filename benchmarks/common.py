@@ -35,7 +35,8 @@ def backends_for(cfg, names=None) -> list:
     Raises ``ConfigError`` / ``BackendUnavailable`` with the reason, before anything is timed.
     (Precision is applied by whoever runs the step: ``train`` casts per ``backend.precision``.)"""
     from gr_functional.config import replace
-    from gr_functional.runner import make_backend, validate
+    from gr_functional.runtime import make_backend
+    from gr_functional.configure import validate
 
     validate(cfg)
     out = []

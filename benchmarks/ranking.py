@@ -28,7 +28,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, st
     from gr_functional.config import replace
     from gr_functional.configure import load_config
     from gr_functional.ranking.data import RankingLoader, chronological_split, load_ranking_data
-    from gr_functional.ranking.runner import RankingSteps, init_params, make_host
+    from gr_functional.ranking.task import RankingSteps, init_params, make_host
     from gr_functional.train import init_opt_state
 
     if cfg is None:

@@ -43,7 +43,7 @@ def step_setup(name: str, base_cfg):
 
         return cfg, synthetic_batch(cfg.model, lengths, seed=0, negatives=negatives_for(cfg))
     from gr_functional.data import batching, split as split_mod
-    from gr_functional.runner import load_sequences, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
 
     from gr_functional.cli import _config_path
 

@@ -48,7 +48,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from gr_functional.data.stream import KuaiRandStream
     from gr_functional.embedding.lookup import localize_histories, make_host, table_params
     from gr_functional.model import init_params
-    from gr_functional.runner import validate
+    from gr_functional.configure import validate
     from gr_functional.train import init_opt_state, make_train_step
 
     cfg = cfg or load_config(f"experiments/configs/{DEFAULT_CONFIG}.toml")

@@ -28,7 +28,8 @@ def main() -> None:
     from gr_functional.config import replace
     from gr_functional.configure import load_config
     from gr_functional.data import batching, split
-    from gr_functional.runner import load_sequences, make_backend, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
+    from gr_functional.runtime import make_backend
     from gr_functional.train import init_opt_state, make_train_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

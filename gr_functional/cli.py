@@ -4,7 +4,7 @@
               [--plugin my_loss.py ...]   (import first: registers losses, datasets, kernels)
               [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
               [--nproc N]            (N > 1: data-parallel on this host through torch.distributed.run)
-    grf eval --checkpoint PATH [--backend B] [--split test|valid]
+    grf eval --checkpoint PATH [--backend B] [--split test|valid] [--plugin my_loss.py ...]
     grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
     grf data fetch ml-1m | grf data info
     grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
@@ -14,8 +14,9 @@ Exit codes: 0 done, 2 user error (nothing written; also: the run folder is in us
 3 the model diverged (NaN/Inf or exploding steps, or non-finite evaluation scores; the last
 healthy checkpoint is named), 4 a data-parallel rank died or hung (the message names it), 5 a
 file could not be written (read-only folder, full disk, file-size limit; the last intact
-checkpoint is named). Under torchrun every rank prints its own errors prefixed with its rank;
-only rank 0 prints the result.
+checkpoint is named), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (both: the same command
+resumes). Under torchrun every rank prints its own errors prefixed with its rank; only rank 0
+prints the result.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+
+from .plugins import import_plugins, normalise
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torch_npu without CANN breaks torch
 
@@ -76,19 +80,24 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     ``dist_torch.job_exit_code``: 0, or 2 (a rank's user error), 3 (diverged), a rank's other
     code (1: an unexpected error, 5: a write failure), 4 (a rank died, was killed or hung). Each
     rank's own message names it."""
+    import shutil
     import subprocess
-    import tempfile
 
     from backends import dist_torch
 
-    from .config import ConfigError
-    from .runner import DIST_TORCH_BACKENDS, validate
+    from .config import ConfigError, replace, validate as config_rules
+    from .runner import DIST_TORCH_BACKENDS
+    from .configure import validate
 
     validate(cfg)  # user errors once, before N processes start
     if cfg.backend.name not in DIST_TORCH_BACKENDS:
         raise ConfigError(f"--nproc {nproc}: multi-process training runs the torch backends "
                           f"({', '.join(DIST_TORCH_BACKENDS)}), not backend.name={cfg.backend.name!r}; "
                           f"the JAX data-parallel reference is backends.jax.make_sharded_train_step")
+    # what a launched rank would refuse (ranking trains in one process so far): refused here,
+    # in one line, before torchrun starts (the config read above had dist.nproc from the file)
+    config_rules(replace(cfg, dist={"nproc": nproc}), source=str(_config_path(args.config) or "<defaults>"),
+                 origins={("dist", "nproc"): f"--nproc {nproc}"})
     argv = ["train", "--out", str(out)]
     if args.config:
         argv += ["--config", str(args.config)]
@@ -105,17 +114,58 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", "gr_functional.rank", *argv]
     print(f"grf: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="grf-ranks-") as exit_dir:
-        code = subprocess.call(cmd, env={**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir})
+    dist_torch.reap_exit_dirs()  # temp folders of launchers that were killed
+    exit_dir = dist_torch.make_exit_dir()
+    env = {**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir, dist_torch.LAUNCHER_PID_ENV: str(os.getpid())}
+    try:
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_torchrun_preexec())
+        try:
+            code = dist_torch.supervise(proc, exit_dir, nproc)
+        except BaseException as exc:  # Ctrl-C, SIGTERM (_Terminated): stop the job, bounded, then report
+            sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+            dist_torch.stop_job(proc, exit_dir, nproc, sig)
+            raise
+        dist_torch.stop_ranks(exit_dir, nproc)  # a rank torchrun left behind (torchrun itself was killed)
         job, why = dist_torch.job_exit_code(code, exit_dir, nproc)
+    finally:
+        shutil.rmtree(exit_dir, ignore_errors=True)
     if code != 0:
         print(f"grf: error: the {nproc}-rank run failed (torchrun exit {code}; {why}): exit {job}; the messages "
               f"above name the failing rank", file=sys.stderr)
     return job
 
 
+def _torchrun_preexec():
+    """torchrun's ``preexec_fn``: its own process group, so a terminal's Ctrl-C reaches the launcher
+    alone, which passes it on once (``dist_torch.stop_job``); and, on Linux, SIGTERM when the
+    launcher dies (``prctl(PR_SET_PDEATHSIG)``), on which torchrun stops the ranks: a ``kill -9``
+    of ``grf train --nproc N`` leaves nothing running (the ranks also watch the launcher
+    themselves: ``dist_torch.watch_launcher``). libc's ``prctl`` is looked up here, in the parent:
+    the child only calls it."""
+    parent = os.getpid()
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+            prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+            prctl.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            prctl = None
+
+    def preexec():
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the launcher died before the line above
+                os._exit(1)
+
+    return preexec
+
+
 def cmd_train(args) -> int:
-    from .runner import train
+    from . import checkpoint, hooks, runner
 
     cfg = _load(args)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG
@@ -128,11 +178,12 @@ def cmd_train(args) -> int:
 
         raise ConfigError(f"--nproc (or dist.nproc) must be >= 1, got {nproc}")
     rank = _launched_rank()
+    _STOPPED.update(checkpoints=checkpoint.CheckpointDir(out / "checkpoints"), step=None, epoch=None)
     if rank is None and nproc > 1:
         return _launch(args, cfg, out, nproc)
     # default: continue from OUT/checkpoints when it holds a valid checkpoint (the runner says so)
     resume = "must" if args.resume else "never" if args.fresh else "auto"
-    result = train(cfg, out, progress=not args.quiet, resume=resume)
+    result = runner.train(cfg, out, progress=not args.quiet, resume=resume, hooks=[_last_step_hook(hooks.Hook)])
     if rank:  # ranks other than 0 write nothing and print nothing
         return 0
     keys = [k for k in result if k.startswith(("hr@", "ndcg@")) or k == "mrr"]  # eval.ks decides which
@@ -140,10 +191,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _last_step_hook(Hook):
+    """A hook noting the last step taken, for the line ``grf train`` prints when stopped (SIGTERM)."""
+
+    class LastStep(Hook):
+        def on_step(self, run, step) -> None:
+            _STOPPED.update(step=step.step, epoch=step.epoch)
+
+    return LastStep()
+
+
 def cmd_eval(args) -> int:
     from .checkpoint import atomic_write_bytes
     from .runner import evaluate_checkpoint
 
+    # before the checkpoint is read: a kernel, loss or dataset its config names may be a plugin's
+    # that the run did not record in train.plugins (registered by hand, or a renamed file)
+    plugins = [normalise(p) for p in args.plugin or []]
+    import_plugins(plugins, where=f"--plugin {' --plugin '.join(args.plugin or [])}")
     result = evaluate_checkpoint(args.checkpoint, args.backend, args.split)
     text = json.dumps(result, indent=1)
     ck = Path(args.checkpoint)
@@ -160,7 +225,7 @@ def cmd_crosscheck(args) -> int:
     from . import model
     from .config import replace
     from .crosscheck import crosscheck, random_batch
-    from .runner import load_sequences, resolve
+    from .retrieval.task import load_sequences, resolve
 
     cfg = _load(args)
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -177,7 +242,7 @@ def cmd_crosscheck(args) -> int:
         batch = next(iter(train_loader.epoch(0)))
     else:
         batch = random_batch(cfg, seed=cfg.train.seed, num_users=args.users)
-    params = model.init_params(cfg.model, seed=cfg.train.seed)
+    params = model.model_of(cfg.model).init_params(cfg.model, seed=cfg.train.seed)
     report = crosscheck(backends, params, batch, cfg)
     print(report.to_json() if args.json else report.to_table())
     return 0 if report.ok else 1
@@ -290,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="test", choices=["test", "valid"])
     e.add_argument("--out", help="JSON file for the result (default: beside the checkpoint, "
                                  "CHECKPOINT.eval-SPLIT-BACKEND.json)")
+    e.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="a .py file or module to import before the checkpoint is read: it may register the "
+                        "losses, datasets or kernels the run used (besides its train.plugins; repeatable)")
     e.set_defaults(fn=cmd_eval)
 
     c = sub.add_parser("crosscheck", help="compare two backends layer by layer on the same params and batch")
@@ -333,11 +401,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 _INTERRUPTED = ("interrupted; nothing is lost: rerun the same command to resume from the last checkpoint "
                 "(OUT/checkpoints)")
+_STOPPED: dict = {"checkpoints": None, "step": None, "epoch": None}  # grf train's, for _stopped()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during ``grf train``, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so
+    the run stops the same way (its lock released, its peers told); ``grf`` prints where it
+    stopped and exits 143, what a process killed by SIGTERM reports."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise _Terminated()
+
+
+def _stopped() -> str:
+    """``stopped by SIGTERM at step N (epoch E); the last checkpoint is PATH (step S, epoch E);
+    rerun the same command to resume from it`` (the step where the process saw it; a launcher
+    of ranks knows only the checkpoint)."""
+    ckdir, step = _STOPPED["checkpoints"], _STOPPED["step"]
+    at = f" at step {step} (epoch {_STOPPED['epoch']})" if step is not None else ""
+    last = ""
+    if ckdir is not None:
+        try:
+            ck, _ = ckdir.latest_valid()
+            last = (f"; the last checkpoint is {ck.describe()}" if ck is not None
+                    else f"; no checkpoint was written in {ckdir.folder} yet")
+        except Exception:  # noqa: BLE001 - the line itself must not fail
+            last = ""
+    then = " from it" if last.startswith("; the last") else ""
+    return f"stopped by SIGTERM{at}{last}; rerun the same command to resume{then}"
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except _Terminated:  # past _main's own handler (its last lines)
+        print(f"grf: {_stopped()}", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:  # also during the imports before _main's own handler
         print(f"grf: {_INTERRUPTED}", file=sys.stderr)
         return 130
@@ -361,10 +462,18 @@ def _main(argv: list[str] | None = None) -> int:
         # past a file-size limit (ulimit -f) a write then fails with EFBIG, which the writers
         # report (exit 5, naming the file), instead of the signal killing the process mid-write
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = None
+    if args.command == "train" and rank is None and threading.current_thread() is threading.main_thread():
+        # a stopped run says where it stopped. Not in a launched rank: torchrun stops a rank with
+        # SIGTERM when another failed, and the rank must go at once (it may be inside a collective)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return code
+    except _Terminated:
+        print(f"grf: {_stopped()}", file=sys.stderr, flush=True)
+        return 143
     except KeyboardInterrupt:
         print(f"grf: {who}{_INTERRUPTED}", file=sys.stderr)
         return 130
@@ -385,6 +494,9 @@ def _main(argv: list[str] | None = None) -> int:
     except DistributedError as exc:  # the message starts with "rank R:" already
         print(f"grf: error: {exc}", file=sys.stderr, flush=True)
         return 4
+    finally:
+        if previous is not None:  # main() called in-process (tests, scripts): their handler back
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,10 @@ class DataConfig:
 class ModelConfig:
     # "retrieval": GR's research HSTU (the keys below, [loss], [embedding]); "ranking": GR's
     # dlrm_v3 HSTU ranking model, configured in [ranking] (gr_functional/ranking/, README "Ranking").
-    task: Task = "retrieval"
+    task: str = "retrieval"           # a registered task (gr_functional/task.py): "retrieval", "ranking", a plugin's
+    # the retrieval model, a registered name (gr_functional/model.py register_model): "hstu" (GR's
+    # research HSTU, the keys below), or a plugin's
+    name: str = "hstu"
     num_items: int = _range(0, ge=0)  # item ids are 1..num_items (0 = padding); 0 = take from the data
     embed_dim: int = _range(50, ge=1)
     num_blocks: int = _range(2, ge=1)
@@ -569,8 +572,56 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
                 _check_range(kwargs[key], bounds, full)
         sections[name] = cls(**kwargs)
     cfg = Config(**sections)
-    validate(cfg, source=source, origins=origins)
+    try:
+        validate(cfg, source=source, origins=origins)
+    except ConfigError as exc:
+        raise ConfigError(_blame_overrides(str(exc), cfg, values, source, origins)) from None
     return cfg
+
+
+def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origins: dict) -> str:
+    """A cross-key rule's ``message`` names the key it checks and that key's origin; when that
+    key came from the file (or is a default) but an override made the rule fail (``--set
+    embedding.kind=hash`` with the file's ``embedding.optimizer='adamw'``), the message leads with
+    the override instead of blaming the file: ``--set embedding.kind=hash: conflicts with
+    embedding.optimizer='adamw' (the default; FILE does not set it): ...``.
+
+    An override is to blame when the same values without it (the file's value back, or the key
+    unset) pass every rule. Each is judged alone, so two overrides that each complete a rule are
+    both named; one whose removal only uncovers another failure is not named."""
+    if not message.startswith(f"{source}: "):
+        return message  # the failing key's own origin is an override already
+    blamed = []
+    for (section, key), label in origins.items():
+        if not isinstance(label, SetOrigin) or key is None:
+            continue
+        without = {name: dict(body) if isinstance(body, dict) else body for name, body in values.items()}
+        if label.replaced is _ABSENT:
+            without.get(section, {}).pop(key, None)
+        else:
+            without[section][key] = label.replaced
+        try:
+            rebuilt = Config(**{name: SECTIONS[name](**{k: _coerce(v, _hints(SECTIONS[name])[k], "", True)
+                                                        for k, v in body.items()})
+                                for name, body in without.items()})
+            validate(rebuilt, source=source)
+        except (ConfigError, TypeError, ValueError):
+            continue
+        blamed.append(str(label))
+    if not blamed:
+        return message
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            prefix = f"{source}: {section.name}.{f.name}={value!r}: "
+            if message.startswith(prefix):
+                body = values.get(section.name)
+                whence = (f"in {source}" if isinstance(body, dict) and f.name in body
+                          else f"(the default; {source} does not set it)" if source != "<defaults>"
+                          else "(the default)")
+                return (f"{' and '.join(blamed)}: conflicts with {section.name}.{f.name}={value!r} {whence}: "
+                        f"{message[len(prefix):]}")
+    return f"{message} (set by {' and '.join(blamed)})"
 
 
 def validate(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
@@ -637,7 +688,7 @@ _RANKING_REFUSES = (
 
 
 def _validate_ranking(cfg: Config, fail) -> None:
-    """The rules of ``model.task = "ranking"`` (gr_functional/ranking/runner.py)."""
+    """The rules of ``model.task = "ranking"`` (gr_functional/ranking/task.py)."""
     for section, key, keep, why in _RANKING_REFUSES:
         if getattr(getattr(cfg, section), key) != keep:
             fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")
@@ -672,6 +723,22 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+_ABSENT = object()  # SetOrigin.replaced of a key the file did not set
+
+
+class SetOrigin(str):
+    """The origin label of an override (``"--set embedding.kind=hash"``), a plain string to every
+    reader, which also remembers the value it replaced (``replaced``: the file's, or ``_ABSENT``),
+    so ``build_config`` can tell which override makes a cross-key rule fail."""
+
+    replaced: Any
+
+    def __new__(cls, label: str, replaced: Any = _ABSENT):
+        self = super().__new__(cls, label)
+        self.replaced = replaced
+        return self
+
+
 def read_values(path: str | Path | None = None, overrides: list = ()) -> tuple[dict, str, dict]:
     """``(values, source, origins)``: the TOML file ``path`` (None: defaults) with ``--set``
     overrides applied (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs for
@@ -700,12 +767,19 @@ def read_values(path: str | Path | None = None, overrides: list = ()) -> tuple[d
         values.setdefault(section, {})
         if not isinstance(values[section], dict):
             raise ConfigError(f"--set {text}: [{section}] is not a table")
+        earlier = origins.get((section, key))  # the same key set twice: what the file had
+        replaced = earlier.replaced if isinstance(earlier, SetOrigin) else values[section].get(key, _ABSENT)
         values[section][key] = value
-        origins[(section, key)] = label
+        origins[(section, key)] = SetOrigin(label, replaced)
         origins.setdefault((section, None), label)
-    if path is not None and Path(path).name == "config.toml" and (Path(path).parent / "checkpoints").is_dir():
+    if is_run_record(path):
         values = _migrate(values, source, origins, stored=True)  # a run's own record (grf train --config OUT/config.toml)
     return values, source, origins
+
+
+def is_run_record(path) -> bool:
+    """``path`` is a run's own config.toml (``grf train --config OUT/config.toml``)."""
+    return path is not None and Path(path).name == "config.toml" and (Path(path).parent / "checkpoints").is_dir()
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

@@ -7,12 +7,13 @@ module sits above the registries so that it can ask each of them.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from backends import kernels, row_kernels
 
-from . import hooks, losses, optimizers
-from .config import Config, ConfigError, build_config, problem_message, read_values
+from . import hooks, losses, model, optimizers, task
+from .config import Config, ConfigError, build_config, is_run_record, problem_message, read_values
 from .data import registry as datasets
 from .plugins import import_plugins, normalise
 
@@ -39,8 +40,8 @@ def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
 
 
 # Each registry's check of its own section, in the order a user would fix them.
-CHECKS = (_kernel_problems, _row_kernel_problems, losses.check_config, hooks.check_config, datasets.check_config,
-          _optimizer_problems)
+CHECKS = (task.check_config, model.check_config, _kernel_problems, _row_kernel_problems, losses.check_config, hooks.check_config,
+          datasets.check_config, _optimizer_problems)
 
 
 def check_registries(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
@@ -50,11 +51,37 @@ def check_registries(cfg: Config, source: str = "<config>", origins: dict | None
             raise ConfigError(problem_message(cfg, section, key, message, source, origins))
 
 
-def resolve(values: dict, source: str = "<config>", origins: dict | None = None) -> Config:
-    """``build_config`` plus the registries' checks: a config a user wrote."""
+def check_used(values: dict, cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+    """ConfigError for a key the user wrote that ``model.task`` does not read (``Task.unused_keys``),
+    naming the key, where it came from and the task."""
+    runner = task.TASKS.find(cfg.model.task)
+    for section, keys in (runner.unused_keys if runner is not None else {}).items():
+        written = values.get(section)
+        if not isinstance(written, dict):
+            continue
+        for key in written if keys is None else [k for k in written if k in keys]:
+            where = (origins or {}).get((section, key), source)
+            raise ConfigError(f"{where}: {section}.{key}: model.task={cfg.model.task!r} does not read "
+                              f"{'[' + section + ']' if keys is None else section + '.' + key} (it would be "
+                              f"ignored); remove it, or set model.task to the task it configures")
+
+
+def resolve(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = False) -> Config:
+    """``build_config`` plus the registries' checks: a config a user wrote (``stored``: one a run
+    wrote, which lists every key: the unused ones are not refused)."""
     cfg = build_config(values, source, origins)
     check_registries(cfg, source, origins)
+    if not stored:
+        check_used(values, cfg, source, origins)
     return cfg
+
+
+def validate(cfg: Config, source: str = "<config>") -> None:
+    """Check a Config made in code (``dataclasses.replace``, ``config.replace``) as one read from a
+    file is: types, choices, ranges, cross-key rules, registry names."""
+    resolve({section.name: {f.name: getattr(getattr(cfg, section.name), f.name)
+                            for f in dataclasses.fields(getattr(cfg, section.name))}
+             for section in dataclasses.fields(cfg)}, source, stored=True)
 
 
 def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
@@ -64,7 +91,7 @@ def load_config(path: str | Path | None = None, overrides: list = (), plugins: l
     config is checked, so the names they register are valid."""
     values, source, origins = read_values(path, overrides)
     _import_plugins(values, source, origins, list(plugins))
-    return resolve(values, source, origins)
+    return resolve(values, source, origins, stored=is_run_record(path))
 
 
 def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> None:
@@ -83,4 +110,4 @@ def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> No
     import_plugins(train["plugins"], where=origins.get(("train", "plugins"), f"{source}: train.plugins"))
 
 
-__all__ = ["CHECKS", "check_registries", "load_config", "resolve"]
+__all__ = ["CHECKS", "check_registries", "load_config", "resolve", "validate"]

@@ -43,7 +43,7 @@ class Experiment:
         """The backend ``cfg.backend`` names (kernel, dtype, determinism applied), or backend
         ``name`` with the same dtype and precision and its default kernels."""
         from .config import replace
-        from .runner import make_backend
+        from .runtime import make_backend
 
         cfg = self.cfg
         if name is not None and name != cfg.backend.name:
@@ -56,7 +56,8 @@ class Experiment:
         from . import model
         from .embedding.lookup import make_host, table_params
 
-        dense = model.init_params(self.cfg.model, seed=self.cfg.train.seed if seed is None else seed)
+        dense = model.model_of(self.cfg.model).init_params(self.cfg.model,
+                                                           seed=self.cfg.train.seed if seed is None else seed)
         return table_params(dense, make_host(self.cfg, dense["item_emb"]))
 
     def embedding_host(self):
@@ -70,7 +71,7 @@ class Experiment:
     def evaluate(self, B, params, split: str = "valid", host=None) -> dict:
         """HR@K / NDCG@K / MRR (``eval.ks``) of ``params`` on the ``valid`` or ``test`` split,
         full-catalogue ranking as ``grf train`` evaluates (``host``: a hash table's)."""
-        from .runner import evaluate
+        from .retrieval.task import evaluate
 
         if self.cfg.embedding.kind == "hash" and host is None:
             raise ValueError("evaluate: a hash table's rows are not indexed by id; pass host= (the "
@@ -86,7 +87,8 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
     from .memory import check_negatives
     from .config import replace
     from .plugins import import_plugins, normalise
-    from .runner import check_data, load_sequences, resolve, validate
+    from .retrieval.task import check_data, load_sequences, resolve
+    from .configure import validate
 
     if isinstance(config, Config):
         if overrides:

@@ -1,7 +1,7 @@
 """The training loop's seams: how a step runs (``LocalSteps`` / ``RankSteps``), the collective of a
 one-process run (``LocalComm``), and the hooks called after every step and at every epoch end.
 
-``runner._train_loop`` is a short loop over steps; everything a step or an epoch end does beyond
+``runner.run_epochs`` is a short loop over steps; everything a step or an epoch end does beyond
 the update itself (logging, timing, the bad-step policy, checkpoints, evaluation, distributed
 sync, TensorBoard) is a ``Hook``. A hook of one's own subclasses ``Hook`` and is passed to
 ``runner.train(..., hooks=[...])``; it sees the ``Run`` (config, backend, state, logs) and each
@@ -92,6 +92,26 @@ RESTART = ("to restart from it, rerun the same grf train command (same --out) wi
             "--set optim.lr=1e-4): it resumes from that checkpoint")
 
 
+def lr_suspect(cfg: Config) -> str:
+    """The learning-rate key to lower first: ``embedding.lr`` when a row-sparse table has its own,
+    larger one, else ``optim.lr``."""
+    e = cfg.embedding
+    return "embedding.lr" if e.optimizer != "adamw" and e.lr > cfg.optim.lr else "optim.lr"
+
+
+def lr_keys(cfg: Config) -> str:
+    """``optim.lr=X`` (and ``embedding.lr=Y`` when set for a row-sparse table, the suspect first)."""
+    keys = [f"optim.lr={cfg.optim.lr:g}"]
+    if cfg.embedding.optimizer != "adamw" and cfg.embedding.lr > 0:
+        keys.insert(0 if lr_suspect(cfg) == "embedding.lr" else 1, f"embedding.lr={cfg.embedding.lr:g}")
+    return ", ".join(keys)
+
+
+def restart(cfg: Config) -> str:
+    """``RESTART`` with the suspect learning-rate key as its example."""
+    return RESTART.replace("--set optim.lr=1e-4", f"--set {lr_suspect(cfg)}=1e-4")
+
+
 def advice(reason: str, cfg: Config) -> str:
     """What to change after bad steps, by the last one's reason (``bad_step``) and the config."""
     ratio = cfg.train.max_update_ratio
@@ -99,9 +119,9 @@ def advice(reason: str, cfg: Config) -> str:
         if ratio < 0.05:  # below what a healthy step moves (GR's ML-1M recipe: 0.006-0.03)
             return (f"train.max_update_ratio={ratio:g} is below the size of a normal step (about 0.01-0.03 of "
                     f"the parameters' norm): raise it (default 1.0; 0 = no limit)")
-        return ("Lower optim.lr (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
+        return (f"Lower {lr_suspect(cfg)} (or raise train.max_update_ratio, 0 = no limit, if steps that large are "
                 "intended)")
-    suspects = ["optim.lr (a smaller one)"]
+    suspects = [f"{lr_suspect(cfg)} (a smaller one)"]
     if cfg.loss.temperature < 1e-3:
         suspects.insert(0, f"loss.temperature={cfg.loss.temperature:g} (logits are cosine / temperature; "
                            f"GR uses 0.05)")
@@ -131,9 +151,9 @@ def bad_step(m: dict, cfg: Config) -> tuple[str, bool]:
             return f"fp16 gradient overflow at loss scale {scale:g}", scale <= 1.0
         return "non-finite gradient", True
     if not bool(m["update_finite"]):
-        return f"non-finite update (optim.lr={cfg.optim.lr:g})", True
+        return f"non-finite update ({lr_keys(cfg)})", True
     return (f"exploding update: it would move the parameters by {float(m['update_ratio']):.3g} x their norm "
-            f"(train.max_update_ratio={cfg.train.max_update_ratio:g}; optim.lr={cfg.optim.lr:g})"), True
+            f"(train.max_update_ratio={cfg.train.max_update_ratio:g}; {lr_keys(cfg)})"), True
 
 
 
@@ -344,8 +364,8 @@ class Run:
     out: Path
     B: Any
     comm: Any
-    state: Any               # runner.RunState
-    log: Any                 # metrics.jsonl (runner.JsonLog; counts lines on every rank)
+    state: Any               # resume.RunState
+    log: Any                 # metrics.jsonl (outputs.JsonLog; counts lines on every rank)
     timing: Any              # timing.jsonl
     loader: Any              # data.batching.TrainLoader
     save: Callable
@@ -474,7 +494,7 @@ class BadStepPolicy(Hook):
             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
             f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was applied. The last "
             f"healthy checkpoint is {where}: params and optimizer state after step {first - 1}, data position "
-            f"after the skipped batches. {advice(reason, run.cfg)}; {RESTART}")
+            f"after the skipped batches. {advice(reason, run.cfg)}; {restart(run.cfg)}")
 
 
 class ProgressBar(Hook):

@@ -94,9 +94,9 @@ class Item(NamedTuple):
 def param_count(cfg) -> int:
     """Parameters of the run (``model.param_shapes``; a hash table has ``embedding.capacity``
     rows), without allocating them."""
-    from .model import param_shapes
+    from .model import model_of
 
-    return sum(math.prod(shape) for shape in param_shapes(cfg.model, table_items(cfg)).values())
+    return sum(math.prod(shape) for shape in model_of(cfg.model).param_shapes(cfg.model, table_items(cfg)).values())
 
 
 def table_items(cfg) -> int | None:

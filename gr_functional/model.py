@@ -7,16 +7,29 @@ Per block, on jagged x[T, D] (generative-recommenders research/modeling/sequenti
 Input: E_item[id] * sqrt(D) + E_pos[pos], dropout; output: L2-normalised. Loss: a registered loss
 (losses.py; GR's sampled softmax by default) over L2-normalised item embeddings, negatives passed
 in as data.
+
+The retrieval task's model is a seam: ``model.name`` picks a registered ``RetrievalModel`` (this
+HSTU is ``"hstu"``). A model of one's own (another normaliser, an extra head with its own
+parameters) is three functions and one ``register_model`` call in a ``--plugin`` module; the
+loss, the scorer, checkpoints, resume, ``grf eval`` and ``grf report`` use it unchanged::
+
+    @grf.model.register_model("my_hstu", init_params=my_init, param_shapes=my_shapes)
+    def my_encode(B, params, batch, cfg, trace=None):   # user[T, D], L2-normalised
+        ...
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 
 from . import losses
 from .batch import HSTUBatch
 from .config import LossConfig, ModelConfig
+from .errors import ConfigError
+from .registry import Registry
 
 
 def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -147,11 +160,58 @@ def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | No
     return out
 
 
+# ----------------------------------------------------------------------------- the model registry
+@dataclasses.dataclass(frozen=True)
+class RetrievalModel:
+    """A retrieval model (``model.name``).
+
+      encode(B, params, batch: HSTUBatch, cfg: ModelConfig, trace=None) -> user[T, D], L2-normalised
+      init_params(cfg: ModelConfig, seed: int, num_items: int | None) -> dict of numpy arrays; holds
+          ``"item_emb"`` [num_items + 1, embed_dim] (the item table the loss and evaluation rank)
+      param_shapes(cfg: ModelConfig, num_items: int | None) -> {path: shape} of those parameters
+    """
+
+    name: str
+    encode: Callable
+    init_params: Callable
+    param_shapes: Callable
+
+
+MODELS: Registry[RetrievalModel] = Registry(
+    "retrieval model", config_key="model.name",
+    how="Register one with @gr_functional.model.register_model(NAME, init_params=..., param_shapes=...) on its "
+        "encode function, in a module passed to grf train --plugin")
+
+
+def register_model(name: str, encode: Callable | None = None, *, init_params: Callable, param_shapes: Callable,
+                   replace: bool = False):
+    """Register a retrieval model (``register_model(name, encode, ...)`` or ``@register_model(name,
+    ...)`` on the encode function); ``model.name = name`` selects it."""
+    def add(fn: Callable) -> Callable:
+        MODELS.add(name, RetrievalModel(name, fn, init_params, param_shapes), origin_of=fn, replace=replace)
+        return fn
+
+    return add if encode is None else add(encode)
+
+
+def model_of(cfg: ModelConfig) -> RetrievalModel:
+    """The registered model ``cfg.name``, or ConfigError naming the registered ones."""
+    return MODELS.get_or(cfg.name, lambda message: ConfigError(f"model.name={cfg.name!r}: {message}"))
+
+
+def check_config(cfg) -> list[tuple[str, str, str]]:
+    """``model.name`` must be a registered retrieval model (checked for the retrieval task)."""
+    if cfg.model.task == "retrieval" and cfg.model.name not in MODELS:
+        return [("model", "name", MODELS.unknown_message(cfg.model.name))]
+    return []
+
+
 def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None,
             loss: LossConfig = LossConfig()):
     """Scalar training loss of a batch: the registered loss ``loss.name`` (losses.py; GR's sampled
-    softmax by default) of the user embeddings against the L2-normalised item table."""
-    user = encode(B, params, batch, cfg, trace)
+    softmax by default) of the user embeddings (``model.name``'s encode) against the L2-normalised
+    item table."""
+    user = model_of(cfg).encode(B, params, batch, cfg, trace)
     items = B.l2_normalize(params["item_emb"], cfg.l2_eps)
     value = losses.get(loss.name).fn(B, user, items, batch, loss)
     if trace is not None:
@@ -163,7 +223,10 @@ def score_last(B, params: dict, batch: HSTUBatch, cfg: ModelConfig):
     """Scores ``[B_cap, N+1]`` of every item for the last position of each sequence (dot product
     of L2-normalised user and item embeddings; column 0 is the padding id). Empty slots score 0."""
     xp = B.xp
-    user = encode(B, params, batch, cfg)
+    user = model_of(cfg).encode(B, params, batch, cfg)
     last = B.gather_rows(B._ext(user), batch.layout.last_index)                              # [B, D]
     items = B.l2_normalize(params["item_emb"], cfg.l2_eps)
     return xp.matmul(last, xp.permute_dims(items, (1, 0)))
+
+
+register_model("hstu", encode, init_params=init_params, param_shapes=param_shapes)

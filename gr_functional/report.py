@@ -25,7 +25,7 @@ from .errors import ReportError  # noqa: F401 (re-exported)
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
-# model.task = "ranking" (gr_functional/ranking/runner.py): its default columns and epoch rule
+# model.task = "ranking" (gr_functional/ranking/task.py): its default columns and epoch rule
 RANKING_METRICS = ("is_click/auc", "is_click/gauc", "is_click/ne", "long_view/auc", "long_view/gauc", "auc", "gauc")
 RANKING_SELECT = "is_click/auc"
 # keys that say how a run was watched, not what it trained: never a reason to tell runs apart
@@ -58,6 +58,7 @@ class Run:
     live: bool = False      # a grf train holds the folder's lock now
     incomplete: str = ""
     warnings: tuple = ()
+    selected_by: str = ""   # the metric eval.json says selected its epoch ("" before eval.json)
 
     @property
     def name(self) -> str:
@@ -76,9 +77,20 @@ class Run:
     def ranking(self) -> bool:
         return self.config.get("model.task") == "ranking"
 
+    @property
+    def select_metric(self) -> str:
+        """The validation metric that selects the epoch: the one eval.json names, else the task's
+        (retrieval HR@10, ranking click AUC; a plugin task's: the first metric it evaluates)."""
+        if self.selected_by:
+            return self.selected_by
+        if self.ranking:
+            return RANKING_SELECT
+        valid = [m for e in self.evals for m in e.get("valid", {})]
+        return SELECT_METRIC if SELECT_METRIC in valid or not valid else valid[0]
+
     def selected(self) -> dict | None:
         """``{"epoch", metric: test value...}`` of the selected epoch, None before any evaluation."""
-        record = select_epoch(self.evals, RANKING_SELECT if self.ranking else SELECT_METRIC)
+        record = select_epoch(self.evals, self.select_metric)
         if record is None or "test" not in record:
             return None
         return {"epoch": record["epoch"], **record["test"]}
@@ -184,7 +196,7 @@ def load_run(path: str | Path) -> Run:
             if line is not None:
                 warnings.append(f"{file}:{line}: the last line is cut mid-record and was ignored (the run was killed "
                                 f"while writing it, or the file was truncated)")
-    finished, incomplete = False, ""
+    finished, incomplete, selected_by = False, "", ""
     if (path / "eval.json").exists():
         try:
             result = json.loads((path / "eval.json").read_text())
@@ -193,6 +205,8 @@ def load_run(path: str | Path) -> Run:
         if not isinstance(result, dict):
             raise ReportError(f"{path / 'eval.json'}: not a JSON object")
         last = result.get("last_epoch", -1)
+        if str(result.get("selected_by", "")).startswith("best valid "):
+            selected_by = result["selected_by"][len("best valid "):]
         recorded = evals[-1]["epoch"] if evals else None
         finished = recorded is not None and last >= recorded
         if not live:
@@ -212,7 +226,7 @@ def load_run(path: str | Path) -> Run:
             elif lacking:
                 incomplete = f"metrics.jsonl lacks epoch {last}"
             finished = finished and not incomplete
-    return Run(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings))
+    return Run(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings), selected_by)
 
 
 def find_runs(paths: list) -> list:

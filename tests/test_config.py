@@ -39,7 +39,7 @@ def test_overrides():
 def test_unknown_key_lists_valid_keys(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nnum_block = 3\n")
-    with pytest.raises(ConfigError, match=r"bad.toml: unknown key model.num_block; did you mean model.num_blocks\? \(valid keys in \[model\]: task, num_items"):
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key model.num_block; did you mean model.num_blocks\? \(valid keys in \[model\]: task, name, num_items"):
         load_config(path)
 
 

@@ -95,7 +95,7 @@ def test_code_api_records_plugins_as_absolute_paths_and_eval_needs_no_loss(tmp_p
     from gr_functional.checkpoint import read_checkpoint
 
     ck = read_checkpoint(out / "checkpoints" / "last.safetensors")
-    monkeypatch.setattr("gr_functional.plugins.import_plugins", lambda *a, **k: None)
+    monkeypatch.setattr("gr_functional.runner.import_plugins", lambda *a, **k: None)
     assert runner.evaluate_checkpoint(ck.path, "torch")["hr@10"] >= 0
 
 
@@ -171,7 +171,7 @@ def test_a_taken_hook_name_is_refused_unless_replaced():
 
 def test_the_tie_seed_matters_on_resume_only_when_ties_are_shuffled():
     from gr_functional.config import replace
-    from gr_functional.runner import resume_differences
+    from gr_functional.resume import resume_differences
 
     cfg = tiny_config()
     assert resume_differences(cfg, replace(cfg, data={"ties_seed": 7}))[0] == []

@@ -1,4 +1,4 @@
-"""The ranking step on ``train.make_train_step`` (gr_functional/ranking/runner.py
+"""The ranking step on ``train.make_train_step`` (gr_functional/ranking/task.py
 ``ranking_objective``): gradient accumulation equal to one batch of all the micro-batches' users,
 bf16 / fp16 against fp32 on both backends, a ``grf train`` run with both, and stale hash-row
 updates (``embedding.staleness``) on both backends.
@@ -23,9 +23,9 @@ from gr_functional.configure import load_config
 from gr_functional.data.sources.kuairand_ranking_synthetic import synthetic_ranking
 from gr_functional.ranking.data import RankingLoader, chronological_split
 from gr_functional.ranking.model import init_ranking_params, make_ranking_batch
-from gr_functional.ranking.runner import (RankingSteps, init_params, make_host, make_ranking_step, ranking_objective,
+from gr_functional.ranking.task import (RankingSteps, init_params, make_host, make_ranking_step, ranking_objective,
                                           shared_norm)
-from gr_functional.runner import make_backend
+from gr_functional.runtime import make_backend
 from gr_functional.train import init_opt_state, micro_grads
 from gr_functional.tree import tree_items
 

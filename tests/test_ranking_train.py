@@ -1,4 +1,4 @@
-"""``grf train`` with ``model.task = "ranking"`` (gr_functional/ranking/runner.py): the preset's
+"""``grf train`` with ``model.task = "ranking"`` (gr_functional/ranking/task.py): the preset's
 data generator and chronological split, the loader, the output files with per-task AUC / GAUC, a
 SIGKILLed run resuming bitwise, the GR-processed-file dataset and the refusals by name."""
 from __future__ import annotations
@@ -210,8 +210,8 @@ def test_ranking_steps_agree_between_torch_and_jax():
     """Three training steps of the preset's (tiny) model from the same init and batches, as
     ``grf train`` builds them (JAX's padded to capacities, ``Backend.static_shapes``): the torch
     and JAX trajectories agree (losses and every parameter) to float32 noise."""
-    from gr_functional.ranking.runner import make_ranking_step
-    from gr_functional.runner import make_backend
+    from gr_functional.ranking.task import make_ranking_step
+    from gr_functional.runtime import make_backend
     from gr_functional.config import replace
     from gr_functional.train import init_opt_state
 
@@ -260,8 +260,8 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
     parameter, and per looked-up row the dense table's gradient at that id's row."""
     from gr_functional.ranking import sparse
     from gr_functional.ranking.model import ranking_loss, table_plan
-    from gr_functional.ranking.runner import make_host
-    from gr_functional.runner import make_backend
+    from gr_functional.ranking.task import make_host
+    from gr_functional.runtime import make_backend
     from gr_functional.train import TABLE, local_params
 
     cfg = load_config(PRESET, TINY + ["embedding.kind=hash", "embedding.optimizer=lazy_adam",

@@ -15,7 +15,9 @@ The relative bias is built in-kernel from ``pos_w`` and the memoised time bucket
 
 Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; the
 build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) for x86-64
-CPUs with AVX2. Where it cannot be built or run, selecting the kernel raises
+CPUs with AVX2. Processes take turns to build or load it (``_BuildTurn``: a ``flock`` on
+``lock.owner`` in the build folder), so torch's build ``lock`` left by a process killed
+mid-build is seen as such and removed, never waited on. Where it cannot be built or run, selecting the kernel raises
 ``UnsupportedOnBackend`` with the reason (``backend.hstu_kernel`` names the kernels that run).
 The sampled logits (``sampled_logits``) replace the chunked torch Function's ``[chunk, N]``
 score blocks or ``[chunk, R, D]`` row copies with one dot per (position, id), read straight from
@@ -66,12 +68,18 @@ def _torch_library() -> str:
 
 
 # A build takes about a minute on 2 busy cores; a lock this old was left by a build that was
-# killed (torch's FileBaton would make every later build wait on it forever).
+# killed (torch's FileBaton would make every later build wait on it forever). Only the fallback
+# where ``flock`` cannot be used (``_build_turn``): elsewhere a dead owner is seen at once.
 _STALE_LOCK_S = 30 * 60
+# how long a process waits for another live one that is building or loading the ops (a build
+# takes about a minute on 2 busy cores) before it gives up with a message naming the lock
+_TURN_WAIT_S = 15 * 60
+_TURN_NOTICE_S = 5.0   # waiting longer than this says for whom, once
 
 
 def _remove_stale_lock(cpp_extension) -> None:
-    """Remove torch's build lock when it is older than ``_STALE_LOCK_S``.
+    """Remove torch's build lock when it is older than ``_STALE_LOCK_S`` (the fallback of
+    ``_build_turn`` where ``flock`` does not work).
 
     Two processes may find the same stale lock at once, and one may remove it and start a build
     (a fresh lock at the same path) before the other acts. So the processes clearing stale locks
@@ -102,6 +110,110 @@ def _remove_stale_lock(cpp_extension) -> None:
                   f"not finish", stacklevel=3)
 
 
+class _BuildTurn:
+    """This process's turn to build or load the ops: an exclusive ``flock`` on ``lock.owner`` in
+    the build folder, held across the whole ``cpp_extension.load`` call, with this pid written in
+    the file.
+
+    torch's own build lock (``lock`` beside it, a ``FileBaton``) is a bare file holding no pid:
+    a process killed while it existed (``kill -9`` during the first build, or during any load:
+    torch takes it on every load) leaves it, and every later load waits on it forever. The
+    kernel drops a ``flock`` when its holder dies, however it dies. So once this process holds
+    the turn, no other process of this package is inside ``load`` for this folder, and a ``lock``
+    found then was left by one that died: it is removed (with a warning naming it). A live
+    holder (a build in progress) is waited for, saying so after ``_TURN_NOTICE_S``, at most
+    ``_TURN_WAIT_S``; then ``UnsupportedOnBackend`` names the holder's pid and the files to
+    delete. Where ``flock`` cannot be used (no ``fcntl``, a file system without locks), the
+    age rule of ``_remove_stale_lock`` applies instead."""
+
+    def __init__(self, cpp_extension, wait_s: float | None = None):
+        self.cpp_extension = cpp_extension
+        self.wait_s = _TURN_WAIT_S if wait_s is None else wait_s
+        self.file = None
+
+    def __enter__(self):
+        import time
+        import warnings
+
+        from npu_ops import UnsupportedOnBackend
+
+        try:
+            import fcntl
+
+            build = self.cpp_extension._get_build_directory(_NAME, verbose=False)
+            owner = os.path.join(build, "lock.owner")
+            self.file = open(owner, "a+")
+        except (ImportError, AttributeError, OSError):
+            _remove_stale_lock(self.cpp_extension)
+            return self
+        lock = os.path.join(build, "lock")
+        start, noticed = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError:  # flock unsupported here (ENOLCK, EINVAL): the age rule
+                self._close()
+                _remove_stale_lock(self.cpp_extension)
+                return self
+            waited = time.monotonic() - start
+            holder = self._holder(owner)
+            if waited > self.wait_s:
+                self._close()
+                raise UnsupportedOnBackend(
+                    f"cpu_fused ops: waited {waited:.0f} s for process {holder} to finish building or loading "
+                    f"them in {build} ({owner} is locked by it); when no grf process is building them, stop "
+                    f"that process, or delete {lock} and {owner}, then rerun (backend.cpu_fused=false runs "
+                    f"the torch formulations instead)")
+            if waited > _TURN_NOTICE_S and not noticed:
+                noticed = True
+                warnings.warn(f"cpu_fused ops: waiting for process {holder}, which is building or loading them "
+                              f"in {build} (at most {self.wait_s / 60:.0f} min)", stacklevel=3)
+            time.sleep(0.2)
+        try:  # the turn is ours: record whose it is, for the message of a process waiting on it
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(f"{os.getpid()}\n")
+            self.file.flush()
+        except OSError:
+            pass
+        if os.path.exists(lock):
+            try:
+                os.remove(lock)
+            except FileNotFoundError:
+                pass
+            else:
+                warnings.warn(f"cpu_fused ops: removed {lock}, left by a build or load of them whose process "
+                              f"is gone (killed while it held the lock)", stacklevel=3)
+        return self
+
+    @staticmethod
+    def _holder(owner: str) -> str:
+        try:
+            with open(owner) as f:
+                pid = f.read().strip()
+        except OSError:
+            pid = ""
+        return f"pid {pid}" if pid.isdigit() else "(pid unknown)"
+
+    def _close(self):
+        if self.file is not None:
+            self.file.close()  # drops the flock
+            self.file = None
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            try:
+                self.file.seek(0)
+                self.file.truncate()
+            except OSError:
+                pass
+        self._close()
+        return False
+
+
 _BUILT: dict = {}  # "module" or "error": the one build attempt of this process
 
 
@@ -119,10 +231,12 @@ def load():
         if reason is None:
             from torch.utils import cpp_extension
 
-            _remove_stale_lock(cpp_extension)
             try:
-                module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS,
-                                            extra_ldflags=["-fopenmp"], verbose=False)
+                with _BuildTurn(cpp_extension):  # never waits on a lock whose owner died
+                    module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS,
+                                                extra_ldflags=["-fopenmp"], verbose=False)
+            except UnsupportedOnBackend as exc:
+                reason = str(exc).removeprefix("cpu_fused ops: ")
             except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
                 reason = f"building {_SOURCE} failed: {exc}"
             else:

@@ -177,7 +177,7 @@ def _remap_candidates(candidates, uniq: np.ndarray) -> np.ndarray:
 
 
 # Unix seconds reach 1e11 in the year 5138; milliseconds of any date since 1973 exceed it (the
-# same bounds as runner.check_data, which checks data from any source without naming lines).
+# same bounds as retrieval.task.check_data, which checks data from any source without naming lines).
 _LATEST_SECONDS = 10**11
 
 

@@ -513,7 +513,7 @@ def assemble(shards: list, dim: int):
 def assemble_table(cfg, shards: list):
     """``(table[L + 1, D] numpy, host)``: the whole table from every rank's ``export``, for
     evaluation on one process: a dense table indexed by id (host None), or a hash table's rows
-    with an ``EmbeddingHost`` whose id map finds them (``runner.evaluate(host=...)``)."""
+    with an ``EmbeddingHost`` whose id map finds them (``retrieval.task.evaluate(host=...)``)."""
     from ..config import replace
     from .lookup import EmbeddingHost
 

@@ -83,7 +83,7 @@ def test_recompute_adds_nothing_to_a_kernel_that_recomputes(kernel, monkeypatch)
 _FLAGS_PROBE = """
 import os
 from gr_functional.configure import load_config
-from gr_functional.runner import make_backend
+from gr_functional.runtime import make_backend
 cfg = load_config(None, ["backend.name=jax", "backend.attention_recompute=true"])
 B = make_backend(cfg)
 print(os.environ.get("XLA_FLAGS", ""))

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
     from gr_functional import model
     from gr_functional.configure import load_config
     from gr_functional.data import batching, split
-    from gr_functional.runner import load_sequences, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
     from gr_functional.train import init_opt_state, rank_scales
     from gr_functional.tree import tree_items
 

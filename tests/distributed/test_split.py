@@ -9,7 +9,8 @@ from gr_functional import balance, model
 from gr_functional.config import ConfigError, replace
 from gr_functional.data import batching, split
 from gr_functional.data.loaders import DataError
-from gr_functional.runner import load_sequences, resolve, validate
+from gr_functional.retrieval.task import load_sequences, resolve
+from gr_functional.configure import validate
 from gr_functional.train import init_opt_state, micro_grads, rank_grads, rank_scales
 from gr_functional.tree import tree_items, tree_map
 

@@ -9,8 +9,9 @@ import pytest
 
 import gr_functional as grf
 from gr_functional.embedding.lookup import Lookup
-from gr_functional.train import (TABLE, adamw_update, init_opt_state, local_params, make_train_step, micro_grads,
-                                 refresh_rows, sparse_update)
+from gr_functional.optim import adamw_update
+from gr_functional.train import (TABLE, init_opt_state, local_params, make_train_step, micro_grads, refresh_rows,
+                                 sparse_update)
 
 from ..reliability.common import metrics, run_grf
 from ..reliability.test_resume import _run_until_fault

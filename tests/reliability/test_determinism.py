@@ -43,7 +43,7 @@ def test_global_rngs_do_not_matter():
 
 
 def test_deterministic_mode_switch():
-    from gr_functional.runner import make_backend
+    from gr_functional.runtime import make_backend
 
     from gr_functional.configure import load_config
 

@@ -122,16 +122,16 @@ def test_poisoned_checkpoints_of_an_older_version_are_skipped_not_resumed(tmp_pa
 # ----------------------------------------------------------------------------- 2. divergence at evaluation
 def test_non_finite_evaluation_scores_exit_3_naming_the_last_healthy_checkpoint(tmp_path, capsys, monkeypatch):
     """Before: `ValueError: scores hold NaN`, exit 1."""
-    from gr_functional import runner
+    from gr_functional.retrieval import task as retrieval
 
-    real = runner.make_scorer
+    real = retrieval.make_scorer
 
     def nan_scorer(B, cfg):
         score = real(B, cfg)
         return lambda params, batch: score(params, batch) * float("nan")
 
     assert main(_args(tmp_path, "train.epochs=1")) == 0
-    monkeypatch.setattr(runner, "make_scorer", nan_scorer)
+    monkeypatch.setattr(retrieval, "make_scorer", nan_scorer)
     capsys.readouterr()
     assert main(_args(tmp_path, "train.epochs=2")) == 3
     err = capsys.readouterr().err

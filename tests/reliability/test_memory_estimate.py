@@ -126,7 +126,7 @@ def test_a_small_memory_limit_refuses_a_normal_config_naming_the_key(tmp_path, c
 
 
 def _quickstart(*sets, backend="torch"):
-    from gr_functional.runner import load_sequences, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
 
     cfg = load_config(ROOT / "experiments" / "configs" / "quickstart.toml", [f"backend.name={backend}", *sets])
     data = load_sequences(cfg)
@@ -168,7 +168,7 @@ def test_a_huge_dense_catalogue_is_refused_without_allocating(monkeypatch):
 def test_the_projects_experiment_configs_fit_20_gb(backend, monkeypatch):
     """Every experiments/configs/*.toml (ML-1M and the quickstart, HSTU-large included) passes on a
     machine with 20 GB available, with room to spare (the estimate is a bound, not a target)."""
-    from gr_functional.runner import load_sequences, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
 
     monkeypatch.setenv(memory.ENV_LIMIT, "20e9")
     cache = {}
@@ -187,7 +187,7 @@ def test_the_projects_experiment_configs_fit_20_gb(backend, monkeypatch):
 def test_ranking_estimate(monkeypatch):
     """The ranking preset fits 20 GB; GR's default tables (7 x 10M rows, hundreds of GB with AdamW)
     are refused before anything is allocated, naming the key."""
-    from gr_functional.ranking.runner import check_ranking_fits
+    from gr_functional.ranking.task import check_ranking_fits
 
     monkeypatch.setenv(memory.ENV_LIMIT, "20e9")
     preset = load_config(ROOT / "experiments" / "configs" / "kuairand_rank.toml")
@@ -216,7 +216,7 @@ def test_param_count_and_token_capacity_match_the_real_ones():
 
     from gr_functional.data import TrainLoader, leave_one_out
     from gr_functional.model import init_params
-    from gr_functional.runner import load_sequences, resolve
+    from gr_functional.retrieval.task import load_sequences, resolve
     from gr_functional.tree import tree_leaves
 
     for extra in ([], ["model.pos_bias=false", "train.max_tokens=200"]):

@@ -1,14 +1,14 @@
-"""``grf train`` for ``model.task = "ranking"``: dlrm_v3's HSTU ranking model trained on a
-ranking dataset (ranking/data.py) with the same loop, hooks, checkpoints, exact resume and output
-files as retrieval (runner.py); only the data, the step and the evaluation differ.
+"""The ranking task (``model.task = "ranking"``): dlrm_v3's HSTU ranking model trained on a
+ranking dataset (ranking/data.py) by the one run loop (runner.py), with its files, checkpoints
+and exact resume; only the data, the step and the evaluation are its own.
 
 The step is the guarded update of ``train.apply_update`` on GR's multitask loss (sum over tasks of
-0.2 x mean BCE): AdamW, and with hash tables (ranking/sparse.py) the row-sparse optimizer on the
-step's rows. Evaluation after every ``train.eval_every`` epochs: per-task AUC, GAUC
-and NE on the validation and test samples (``eval.batch_size`` users per batch: GR's attention
-normaliser is the batch's longest sequence, so this is part of the protocol; GR uses 16). The
-epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy at
-1K-user scale to select on); eval.json holds that epoch's test metrics.
+0.2 x mean BCE): the dense optimizer (``optim.name``), and with hash tables (ranking/sparse.py) the
+row-sparse optimizer on the step's rows. Evaluation after every ``train.eval_every`` epochs:
+per-task AUC, GAUC and NE on the validation and test samples (``eval.batch_size`` users per batch:
+GR's attention normaliser is the batch's longest sequence, so this is part of the protocol; GR uses
+16). The epoch is selected by validation ``SELECT`` (click AUC: the rare tasks' AUCs are too noisy
+at 1K-user scale to select on); eval.json holds that epoch's test metrics.
 
 ``backend.precision`` (bf16 / fp16 with fp32 master weights and, for fp16, loss scaling),
 ``train.accumulate`` (k loader batches per step, sharing the attention normaliser) and, with hash
@@ -16,29 +16,25 @@ tables, ``embedding.staleness`` (row updates applied k steps late) run through
 ``train.make_train_step``, the retrieval step, on ``ranking_objective``.
 
 ``train.max_tokens`` fills each batch up to a token budget (RankingLoader). Not yet supported
-here, refused by name in ``config.validate``: row-sharded tables, more than one process.
+here, refused by name (``config.validate`` and ``RankingTask.check``): row-sharded tables, more
+than one process.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import time
-from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import CheckpointDir, atomic_write_bytes
-from ..config import Config, config_to_toml
+from ..config import Config, ModelConfig
 from ..data.prefetch import PrefetchStats
-from ..errors import CheckpointError, ConfigError, Diverged, NonFiniteState, TrainingAborted
-from ..hooks import (BadStepPolicy, EpochCheckpoint, EpochHistory, EpochTiming, Evaluation, IntervalCheckpoint,
-                     LocalComm, ProgressBar, Run, StepLog, StepResult, TensorBoard, Throughput, lookup_record,
-                     last_healthy, named_hooks, step_groups)
-from ..report import RANKING_SELECT, select_epoch
-from ..runlock import RunLock
-from ..train import TABLE, Objective, init_opt_state, make_train_step
+from ..errors import ConfigError, Diverged
+from ..hooks import Evaluation, Run, StepResult, lookup_record, step_groups
+from ..report import RANKING_SELECT
+from ..resume import missing_host
+from ..task import ModelState, Prepared, Task, register_task
+from ..train import TABLE, Objective, make_train_step
 from . import sparse
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
 from .heads import multitask_loss
@@ -202,21 +198,6 @@ class RankingEvaluation(Evaluation):
                 f"mean AUC {fmt(t['auc'])}")
 
 
-def evaluate_ranking_checkpoint(params_np: dict, cfg: Config, meta: dict, split: str, host_state=None) -> dict:
-    """``grf eval`` of a ranking checkpoint (``runner.evaluate_checkpoint`` checked it)."""
-    from .. import runner
-
-    seqs = load_ranking_data(cfg)
-    B = runner.make_backend(cfg)
-    samples = getattr(chronological_split(seqs, cfg.ranking.num_candidates), split)
-    host = make_host(cfg)
-    if host is not None:
-        host.load_state_dict(host_state["embedding"])
-    result = evaluate_samples(B, B.asarray_tree(params_np), cfg, seqs, samples, host=host)
-    return {**result, "split": split, "backend": B.name, "trained_on": meta.get("backend"), "epoch": meta.get("epoch"),
-            "dataset": cfg.data.dataset, "task": "ranking"}
-
-
 def param_shapes(cfg: Config) -> dict:
     """``{path: shape}`` of the run's parameters (checkpoint checks, the memory check)."""
     shapes = ranking_param_shapes(cfg.ranking)
@@ -259,128 +240,65 @@ def check_ranking_fits(cfg: Config) -> int:
                       f"figure)")
 
 
-def train_ranking(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
-    """``runner.train`` for the ranking task (same arguments, files and guarantees)."""
-    from .. import runner
+class RankingTask(Task):
+    """``model.task = "ranking"`` (the module docstring)."""
 
-    check_ranking_fits(cfg)
-    out = Path(out_dir)
-    seqs = load_ranking_data(cfg)
-    splits = chronological_split(seqs, cfg.ranking.num_candidates)
-    fp = fingerprint(seqs)
-    loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed,
-                           max_tokens=cfg.train.max_tokens)
-    ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
-    user_hooks = [*named_hooks(cfg.train.hooks), *hooks]
-    if cfg.train.tensorboard:
-        TensorBoard.check()
-    lock = RunLock(out)
-    stale = lock.acquire()
-    try:
-        if stale:
-            runner.warn(f"{lock.path}: taking over the lock of a run that is gone ({stale})")
-        restored, events = runner._find_resume(cfg, ckdir, resume, loader, fp)
-        B = runner.make_backend(cfg)
-        return _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restored, events, user_hooks)
-    finally:
-        lock.release()
+    select_metric, curve_label = SELECT, "click AUC"
+    rng_generator = "numpy default_rng((train.seed, epoch[, batch]))"
+    # [model] holds the retrieval HSTU (the ranking model is [ranking]); [loss] is retrieval's losses
+    unused_keys = {"loss": None, "model": tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "task")}
+    result_fields = {"task": "ranking"}
 
+    def check(self, cfg: Config, world_size: int) -> None:
+        if world_size > 1:
+            raise ConfigError("model.task='ranking' trains in one process so far (README \"Ranking\"); "
+                              "run it without torchrun")
+        check_ranking_fits(cfg)
 
-def _loop(cfg, out, progress, resume, B, seqs, splits, fp, loader, ckdir, restored, events, user_hooks) -> dict:
-    from tqdm import tqdm
+    def prepare(self, cfg: Config, world_size: int) -> Prepared:
+        seqs = load_ranking_data(cfg)
+        splits = chronological_split(seqs, cfg.ranking.num_candidates)
+        fp = fingerprint(seqs)
+        loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed,
+                               max_tokens=cfg.train.max_tokens)
+        lengths = np.diff(seqs.offsets)
+        describe = (f"data {cfg.data.dataset}: {len(seqs.users):,} users, {int(lengths.sum()):,} events; "
+                    f"{len(splits.train):,} training samples of {cfg.ranking.num_candidates} candidates, "
+                    f"{len(splits.valid):,} validation and {len(splits.test):,} test samples")
+        return Prepared(cfg, loader, fp, {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
+                        describe=describe, label=cfg.data.dataset, payload=(seqs, splits))
 
-    from .. import runner
+    def fresh(self, B, prepared: Prepared, comm) -> ModelState:
+        host = make_host(prepared.cfg)
+        return ModelState(B.asarray_tree(init_params(prepared.cfg, host)), host)
 
-    say = runner._say
-    lengths = np.diff(seqs.offsets)
-    say(f"data {cfg.data.dataset}: {len(seqs.users):,} users, {int(lengths.sum()):,} events; {len(splits.train):,} "
-        f"training samples of {cfg.ranking.num_candidates} candidates, {len(splits.valid):,} validation and "
-        f"{len(splits.test):,} test samples")
-    if resume == "never":
-        n = ckdir.clear()
-        if n:
-            say(f"--fresh: deleted {n} checkpoint(s) in {ckdir.folder}")
-    for tmp in ckdir.stale_temp_files():
-        tmp.unlink(missing_ok=True)
-    for ev in events:
-        if ev.get("other_config") and Path(ev["file"]).exists():
-            ev["moved_to"] = str(ckdir.set_aside(Path(ev["file"])))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
-    host = make_host(cfg)
-    if restored is not None:
-        params = B.asarray_tree(restored.params)
-        opt_state = runner._restore_opt_state(B, restored.opt_state, cfg)   # fp16's scaler follows the precision
+    def restore(self, B, prepared: Prepared, comm, checkpoint) -> ModelState:
+        host = make_host(prepared.cfg)
         if host is not None:
-            host.load_state_dict(((restored.host or {}).get("embedding")) or runner._missing_host(restored))
-        state = runner.RunState.from_meta(restored.meta["run"])
-        log = runner.JsonLog(out / "metrics.jsonl", keep_lines=state.metrics_lines)
-        timing = runner.JsonLog(out / "timing.jsonl", append=True)
-        say(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {loader.position[0]} batch "
-            f"{loader.position[1]}; pass --fresh to start over")
-        events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
-    else:
-        params = B.asarray_tree(init_params(cfg, host))
-        opt_state = init_opt_state(B, params, cfg)
-        state = runner.RunState()
-        log = runner.JsonLog(out / "metrics.jsonl")
-        timing = runner.JsonLog(out / "timing.jsonl")
-        events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
-    for ev in events:
-        timing.write({**ev, "time": time.time()})
-    tc = cfg.train
-    steps = RankingSteps(B, cfg, loader, host)
-    epoch, start = loader.position
-    if state.epoch_end_pending >= 0:
-        epoch, start = state.epoch_end_pending, None
-    total = -(-loader.steps_per_epoch // tc.accumulate) * tc.epochs
-    total = min(total, tc.max_steps) if tc.max_steps else total
+            host.load_state_dict(((checkpoint.host or {}).get("embedding")) or missing_host(checkpoint))
+        return ModelState(B.asarray_tree(checkpoint.params), host)
 
-    def save(reason: str, epoch_of: int) -> Path | None:
-        log.sync()
-        state.metrics_lines = log.lines
-        ended = bool(state.history) and state.history[-1]["epoch"] == epoch_of
-        if reason not in ("epoch", "final") and loader.position[0] > epoch_of and state.epoch_end_pending < 0 \
-                and not ended:
-            state.epoch_end_pending = epoch_of
-        t0 = time.perf_counter()
-        meta = {"epoch": epoch_of, "step": state.step, "backend": B.name, "precision": cfg.backend.precision,
-                "reason": reason, "loader": loader.state_dict(), "run": state.to_meta(),
-                "data": {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
-                "rng": {"generator": "numpy default_rng((train.seed, epoch[, batch]))", "seed": tc.seed,
-                        "position": list(loader.position)}, "world_size": 1}
-        try:
-            path = ckdir.save(B.to_numpy_tree(run.params), B.to_numpy_tree(run.opt_state), cfg, meta,
-                              host=None if host is None else {"embedding": host.state_dict()})
-        except NonFiniteState as exc:
-            raise TrainingAborted(f"training aborted at step {state.step}: {exc}. {last_healthy(ckdir)}") from None
-        timing.write({"kind": "checkpoint", "step": state.step, "file": path.name, "reason": reason,
-                      "seconds": time.perf_counter() - t0})
-        timing.flush()
-        return path
+    def host_state(self, state: ModelState, comm) -> dict | None:
+        return None if state.host is None else {"embedding": state.host.state_dict()}
 
-    bar = tqdm(total=total, initial=min(state.step, total), disable=None if progress else True, unit="step",
-               dynamic_ncols=True)
-    run = Run(cfg=cfg, out=out, B=B, comm=LocalComm(), state=state, log=log, timing=timing, loader=loader,
-              save=save, echo=bar.write, bar=bar, params=params, opt_state=opt_state,
-              run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
-    hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(),
-             RankingEvaluation(seqs, splits, make_scorer(B, cfg), ckdir, host), EpochHistory(), EpochTiming(),
-             EpochCheckpoint()]
-    if tc.tensorboard:
-        hooks.append(TensorBoard(out))
-    hooks += user_hooks
-    runner.run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
+    def steps(self, B, prepared: Prepared, comm, state: ModelState):
+        return RankingSteps(B, prepared.cfg, prepared.loader, state.host)
 
-    history = state.history
-    if not history:
-        raise CheckpointError(f"{out}: no epoch has run, nothing to report (train.epochs={tc.epochs})")
-    best = select_epoch(history, SELECT) or history[-1]
-    last = history[-1]
-    result = {**best.get("test", {}), "epoch": best["epoch"], "selected_by": f"best valid {SELECT}",
-              "last_epoch": last["epoch"], "last_epoch_test": last.get("test"), "dataset": cfg.data.dataset,
-              "task": "ranking", "backend": B.name, "precision": cfg.backend.precision, "steps": state.step,
-              "skipped_steps": state.skipped_total, "wall_seconds": time.perf_counter() - run.run_start}
-    atomic_write_bytes(out / "eval.json", json.dumps(result, indent=1).encode())
-    runner.write_curves(out / "curves.png", history, metric=SELECT, label="click AUC")
-    return result
+    def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
+        seqs, splits = prepared.payload
+        return RankingEvaluation(seqs, splits, make_scorer(B, prepared.cfg), ckdir, state.host)
+
+    def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:
+        return param_shapes(cfg)
+
+    def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
+        seqs = load_ranking_data(cfg)
+        samples = getattr(chronological_split(seqs, cfg.ranking.num_candidates), split)
+        host = make_host(cfg)
+        if host is not None:
+            host.load_state_dict(((checkpoint.host or {}).get("embedding")) or missing_host(checkpoint))
+        result = evaluate_samples(B, B.asarray_tree(checkpoint.params), cfg, seqs, samples, host=host)
+        return {**result, "dataset": cfg.data.dataset, "task": "ranking"}
+
+
+register_task("ranking", RankingTask())

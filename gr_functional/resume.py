@@ -1,0 +1,240 @@
+"""Resuming a run: which checkpoint to continue from (every check before the run writes),
+the run state a checkpoint carries, and the optimizer state restored on the backend.
+
+Keys that must equal the checkpoint's to resume decide which batches are drawn and what the
+parameters mean (``resume_differences``); a run's checkpoints that were trained with another
+config, are damaged or hold non-finite numbers are skipped with a warning naming each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, warn
+from .config import Config, ConfigError
+from .errors import DataError
+from .runlock import RunLocked
+from .train import dense_state, init_loss_scale
+from .tree import tree_items
+
+RESUME_MODES = ("auto", "must", "never")
+
+
+# Keys that must equal the checkpoint's to resume: they decide which batches are drawn and what
+# the parameters mean. Any other key may change on resume (backend.name: resume on another
+# backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
+# and backend precision/dtype changes are allowed with a warning.
+# ----------------------------------------------------------------------------- resume
+# Keys that must equal the checkpoint's to resume: they decide which batches are drawn and what
+# the parameters mean. Any other key may change on resume (backend.name: resume on another
+# backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
+# and backend precision/dtype changes are allowed with a warning.
+_MATCH_SECTIONS = ("data", "model", "loss", "embedding", "ranking")
+
+_MATCH_TRAIN = ("seed", "batch_size", "max_tokens", "accumulate")
+
+_MATCH_OPTIM = ("name",)  # the optimizer state's layout is the optimizer's
+
+# model.attention_tile only lays out the attention's work (same results up to float rounding)
+_NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim) if f.name not in _MATCH_OPTIM] + [("backend", "precision"),
+                                                                                ("backend", "dtype"),
+                                                                                ("model", "attention_tile"),
+                                                                                ("embedding", "lr")]
+
+
+
+def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
+    """``(errors, notes)``: keys that forbid resuming ``saved`` under ``now``, and allowed changes."""
+    errors, notes = [], []
+    keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))
+            if (s, f.name) not in _NOTE_KEYS]
+    keys += [("train", k) for k in _MATCH_TRAIN] + [("optim", k) for k in _MATCH_OPTIM]
+    if saved.data.ties == now.data.ties == "file":
+        keys.remove(("data", "ties_seed"))  # the seed of a rule not in use orders nothing
+    for section, key in keys:
+        a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
+        if a != b:
+            errors.append(f"{section}.{key}: checkpoint {a!r}, now {b!r}")
+    for section, key in _NOTE_KEYS:
+        a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
+        if a != b:
+            notes.append(f"{section}.{key} changed on resume: {a!r} -> {b!r}")
+    return errors, notes
+
+
+@dataclasses.dataclass
+class RunState:
+    """What the training loop carries besides params and optimizer state (saved in each checkpoint).
+
+      step            optimizer steps taken, skipped (non-finite) ones included
+      epoch_losses    losses of the current epoch's applied steps (its mean is the epoch's loss)
+      history         one record per finished epoch: {epoch, step, loss[, valid, test]}
+      bad_in_a_row    consecutive skipped steps that count towards train.max_bad_steps
+      skipped_total   all skipped steps of the run
+      metrics_lines   lines of metrics.jsonl written up to this state (resume truncates to it)
+      epoch_end_pending  an epoch whose batches all ran but whose end (evaluation, history, its
+                      checkpoint) did not: a run aborted on the epoch's last batch; a resume
+                      finishes that epoch first (-1: none)
+    """
+
+    step: int = 0
+    epoch_losses: list = dataclasses.field(default_factory=list)
+    history: list = dataclasses.field(default_factory=list)
+    bad_in_a_row: int = 0
+    skipped_total: int = 0
+    metrics_lines: int = 0
+    epoch_end_pending: int = -1
+
+    def to_meta(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "RunState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in known})
+
+
+def missing_host(ck: Checkpoint):
+    raise CheckpointError(f"checkpoint {ck.path} has no embedding table state (host.embedding.*) although its config "
+                          f"uses embedding.optimizer={ck.config.embedding.optimizer!r}; the file is incomplete")
+
+
+def restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
+    """The checkpoint's optimizer state on ``B``, with the fp16 loss scaler added or dropped to
+    match ``backend.precision`` (a precision change on resume)."""
+    opt_state = B.asarray_tree(opt_np)
+    if cfg.backend.precision == "fp16" and "loss_scale" not in opt_state:
+        opt_state["loss_scale"] = init_loss_scale(B, cfg)   # resumed from fp32/bf16: a fresh scaler
+    elif cfg.backend.precision != "fp16":
+        opt_state.pop("loss_scale", None)
+    return opt_state
+
+
+def world_size() -> int:
+    """``WORLD_SIZE`` from torchrun's environment (1 when not launched by it)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
+
+
+def check_param_shapes(ck: Checkpoint, expected: dict) -> None:
+    """``CheckpointError`` when the checkpoint's params (and optimizer moments) do not have the shapes
+    its own embedded config gives (``expected``, the task's ``param_shapes``): an edited or
+    mis-assembled file."""
+    cfg = ck.config
+    trees = [("params", ck.params, expected)]
+    moments = {k: v for k, v in expected.items() if not (k == "item_emb" and cfg.embedding.optimizer != "adamw")}
+    if ck.opt_state is not None:
+        # every moment tree of the dense optimizer (AdamW's mu and nu, Adagrad's sum_of_squares, ...)
+        trees += [(f"opt.{m}", tree, moments) for m, tree in dense_state(ck.opt_state).items()
+                  if isinstance(tree, dict)]
+    for name, tree, expected in trees:
+        got = {k: tuple(np.shape(v)) for k, v in tree_items(tree)}
+        if got != expected:
+            diff = sorted(set(got) ^ set(expected))[:3] or [
+                f"{k}: {got[k]} vs {expected[k]}" for k in sorted(expected) if got[k] != expected[k]][:3]
+            raise CheckpointError(f"checkpoint {ck.path}: its {name} tensors do not match its own config "
+                                  f"(model.* gives other shapes; first differences: {', '.join(map(str, diff))}); "
+                                  f"the file was edited or assembled from another run")
+
+
+def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fingerprint: str, shapes_of):
+    """``(restored checkpoint or None, events)``: the checkpoint to resume from, after every check
+    (raises ConfigError / CheckpointError / DataError naming the file and the fix).
+
+    The newest checkpoint that verifies, holds only finite numbers, matches its own config and
+    was trained with a config this run may resume is taken; newer ones that fail are skipped with
+    a warning naming each and why (a different-config checkpoint newer than valid ones is never a
+    reason to refuse: the valid ones are this run's work). ``shapes_of(ck)``: the parameter shapes
+    the checkpoint's own config gives (the task's ``param_shapes``)."""
+    events: list[dict] = []
+    restored: Checkpoint | None = None
+    if resume == "never":
+        return None, events
+    other_config: list[tuple[Path, list[str]]] = []
+
+    def accept(ck: Checkpoint) -> str | None:
+        try:
+            check_param_shapes(ck, shapes_of(ck))
+        except CheckpointError as exc:
+            return str(exc)
+        errors, _ = resume_differences(ck.config, cfg)
+        if errors:
+            other_config.append((ck.path, errors))
+            return f"it was trained with a different config ({'; '.join(errors)})"
+        return None
+
+    restored, skipped = ckdir.latest_valid(accept=accept)
+    out = ckdir.folder.parent
+    if restored is None and other_config:
+        path, errors = other_config[0]
+        raise ConfigError(f"cannot resume from {path}: it was trained with a different config "
+                          f"({'; '.join(errors)}) and no checkpoint in {ckdir.folder} has this run's config. "
+                          f"Resume with the run's own config ({out / 'config.toml'}), use another --out, or "
+                          f"pass --fresh to delete its checkpoints and start over")
+    for path, reason in skipped:
+        kind = "checkpoint" if any(p == path for p, _ in other_config) else "damaged checkpoint"
+        warn(f"skipping {kind} {path}: {reason}")
+        events.append({"kind": "skipped_checkpoint", "file": str(path), "reason": reason,
+                       "other_config": any(p == path for p, _ in other_config)})
+    if restored is None:
+        if resume == "must":
+            raise CheckpointError(f"--resume: no valid checkpoint in {ckdir.folder}"
+                                  + (f" ({len(skipped)} damaged, see the warnings above)" if skipped else "")
+                                  + "; run without --resume to start from step 0")
+        if skipped:
+            warn(f"no valid checkpoint left in {ckdir.folder}; starting from step 0")
+        elif ckdir.last_path.exists():
+            # written by a version without numbered checkpoints: not resumable, but a result
+            raise CheckpointError(f"{ckdir.last_path} is from an earlier gr-functional version and cannot be "
+                                  f"resumed; starting over would replace it. Pass --fresh to do that, or "
+                                  f"use another --out")
+        return None, events
+    _, notes = resume_differences(restored.config, cfg)
+    if restored.opt_state is None or "step" not in restored.opt_state:
+        raise CheckpointError(f"checkpoint {restored.path} has no optimizer state; it can be evaluated "
+                              f"but not resumed")
+    if "loader" not in restored.meta or "run" not in restored.meta:
+        raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
+                              f"it can be evaluated but not resumed")
+    saved = (restored.host or {}).get("embedding") or {}
+    sharded, world = cfg.embedding.sharding == "row" and world_size() > 1, world_size()
+    if ("shards" in saved) != sharded:  # checked before the run touches OUT
+        raise CheckpointError(f"checkpoint {restored.path} holds a {'row-sharded' if 'shards' in saved else 'whole'} "
+                              f"item table but this run {'shards' if sharded else 'does not shard'} it "
+                              f"(embedding.sharding={cfg.embedding.sharding!r} with {world} process(es)); resume "
+                              f"with more than one process (a row-sharded checkpoint) or one (a whole table), or "
+                              f"start over with --fresh")
+    saved_data = restored.meta.get("data", {}).get("sha256")
+    if saved_data not in (None, fingerprint):
+        raise ConfigError(f"cannot resume from {restored.path}: the training data changed since it was "
+                          f"written (data fingerprint {saved_data[:12]}... now {fingerprint[:12]}...). "
+                          f"Restore the data, pass --fresh to start over, or use another --out")
+    for note in notes:
+        warn(note)
+    train_loader.load_state_dict(restored.meta["loader"])  # DataError if the data changed
+    return restored, events
+
+
+def resume_on_all_ranks(comm, find):
+    """Rank 0 runs ``find()`` (it alone reads OUT) and broadcasts the result, or its error, to
+    every rank; a user error is raised on every rank with the same class and message."""
+    user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError, RunLocked)}
+    decision = None
+    if comm.is_main:
+        try:
+            decision = {"result": find()}
+        except tuple(user_errors.values()) as exc:
+            comm.broadcast({"error": (type(exc).__name__, str(exc))})
+            raise
+    decision = comm.broadcast(decision)
+    if "error" in decision:
+        name, message = decision["error"]
+        raise user_errors[name](f"(reported by rank 0) {message}")
+    return decision["result"]
+
