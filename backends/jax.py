@@ -347,17 +347,17 @@ def make_sharded_train_step(B: "JaxBackend", cfg, devices=None):
     Returns ``step(params, opt_state, micro, scales, global_tokens) -> (params, opt_state, metrics)``:
     micro: list of stacked micro-batches (``stack_rank_batches``; leaves ``[R, ...]``, sharded
     along a 1-D mesh axis "data" of ``devices``, default all); scales ``[R, k]`` float32: rank r's
-    weight ``n_ri / G`` of micro-batch i (``gr_functional.train.rank_scales``); global_tokens:
-    G. Under ``shard_map`` each device computes ``train.rank_grads`` on its own sequences, the
+    weight ``n_ri / G`` of micro-batch i (``gr_functional.step.rank_scales``); global_tokens:
+    G. Under ``shard_map`` each device computes ``step.rank_grads`` on its own sequences, the
     gradients and loss parts are ``psum``-med over "data" (the torch collective's SUM
     all-reduce), and every device applies the same AdamW update to replicated params: the same
-    math as ``train.make_dist_train_step``. CPU tests force devices with
+    math as ``step.make_dist_train_step``. CPU tests force devices with
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts).
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from gr_functional.train import apply_update, rank_grads
+    from gr_functional.step import apply_update, rank_grads
 
     devices = list(devices or jax.devices())
     mesh = Mesh(np.array(devices), ("data",))

@@ -46,7 +46,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, st
     from gr_functional.config import replace
     from gr_functional.configure import load_config
     from gr_functional.data.batching import TrainLoader
-    from gr_functional.train import init_opt_state, make_train_step
+    from gr_functional.step import init_opt_state, make_train_step
 
     cfg = cfg or load_config(None)
     exp = grf.prepare(cfg)

@@ -30,7 +30,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int = 20, warm
     import gr_functional as grf
     from gr_functional.configure import load_config
     from gr_functional.data.prefetch import PrefetchStats
-    from gr_functional.train import init_opt_state, make_train_step
+    from gr_functional.step import init_opt_state, make_train_step
 
     cfg = cfg or load_config(None)
     exp = grf.prepare(cfg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from gr_functional import model
-from gr_functional.train import init_opt_state, make_train_step
+from gr_functional.step import init_opt_state, make_train_step
 
 from .common import backends_for, device_label, machine
 from .step import STEP_CONFIGS, step_setup

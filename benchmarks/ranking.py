@@ -1,6 +1,6 @@
 """``grf bench ranking [--config kuairand_rank] [--backend torch,jax] [--set K=V] [--json]``:
 training-step time of GR's dlrm_v3 ranking model (``model.task = "ranking"``) in fp32, bf16 and
-fp16, and with ``train.accumulate = 2``, on the config's real batches (dense or hash tables, as
+fp16, and with ``step.accumulate = 2``, on the config's real batches (dense or hash tables, as
 configured).
 
 Each variant trains ``steps`` optimizer steps (after ``warmup``) from the same initial parameters
@@ -29,7 +29,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, st
     from gr_functional.configure import load_config
     from gr_functional.ranking.data import RankingLoader, chronological_split, load_ranking_data
     from gr_functional.ranking.task import RankingSteps, init_params, make_host
-    from gr_functional.train import init_opt_state
+    from gr_functional.step import init_opt_state
 
     if cfg is None:
         from gr_functional.cli import _config_path

@@ -3,7 +3,7 @@
 README "Recomputed attention" table.
 
 Per backend and config: what the step keeps for backward (``Backend.memory_profile`` of
-``train.train_step``: autograd-saved bytes on torch CPU, XLA temp buffers on JAX, peak allocated on
+``step.train_step``: autograd-saved bytes on torch CPU, XLA temp buffers on JAX, peak allocated on
 CUDA), off and on, and the step's seconds with the two variants' steps alternating
 (``step.alternate_steps``, medians). On JAX the XLA flags in force matter (README: the CPU
 concurrency-optimized scheduler undoes the saving unless ``XLA_FLAGS`` turns it off).
@@ -21,7 +21,7 @@ COLUMNS = ["backend", "config", "memory_off", "memory_on", "memory_kind", "secon
 def kept_bytes(B, cfg, batch_np) -> tuple[int | None, str]:
     """``B.memory_profile`` of one training step (fresh parameters)."""
     from gr_functional import model
-    from gr_functional.train import init_opt_state, train_step
+    from gr_functional.step import init_opt_state, train_step
 
     params = B.asarray_tree(model.init_params(cfg.model, seed=0))
     return B.memory_profile(partial(train_step, B, cfg=cfg), params, init_opt_state(B, params, cfg),

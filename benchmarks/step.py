@@ -8,7 +8,7 @@ Configs (``STEP_CONFIGS``):
                               128 negatives, 50,000 items) on 16 sequences drawn from the real
                               KuaiRand-27K lengths truncated at 1024 (~15.6k tokens)
 
-What is timed: ``train.make_train_step`` (forward, backward, AdamW update; jitted on JAX), the
+What is timed: ``step.make_train_step`` (forward, backward, AdamW update; jitted on JAX), the
 median of ``repeats`` steps after one warm-up (JAX compiles in it), each step fed the same batch
 and the previous step's parameters, outputs fetched to the host. Model FLOPs come from
 ``gr_functional.flops.train_step_flops`` (causal attention cells, supervised tokens, 3x forward
@@ -25,7 +25,7 @@ from gr_functional import flops, model
 from gr_functional.config import ModelConfig
 from gr_functional.configure import load_config
 from gr_functional.tree import tree_leaves
-from gr_functional.train import init_opt_state, make_train_step
+from gr_functional.step import init_opt_state, make_train_step
 
 from .common import kuairand_lengths, median_seconds, synthetic_batch, timed_call
 

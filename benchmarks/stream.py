@@ -49,7 +49,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = N
     from gr_functional.embedding.lookup import localize_histories, make_host, table_params
     from gr_functional.model import init_params
     from gr_functional.configure import validate
-    from gr_functional.train import init_opt_state, make_train_step
+    from gr_functional.step import init_opt_state, make_train_step
 
     cfg = cfg or load_config(f"experiments/configs/{DEFAULT_CONFIG}.toml")
     if not cfg.model.num_items:  # the hash table holds the rows; the dense table it replaces is a stub
@@ -172,7 +172,7 @@ def _sharded_rank(rank: int, cfg, steps: int, port: int, out: str, json_lines: b
     from gr_functional.embedding.sharding import make_sharded
     from gr_functional.flops import train_step_flops
     from gr_functional.model import init_params
-    from gr_functional.train import init_opt_state, make_sharded_dist_step
+    from gr_functional.step import init_opt_state, make_sharded_dist_step
     from gr_functional.tree import tree_items
 
     from .common import machine, matmul_peak

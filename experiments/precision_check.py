@@ -30,7 +30,7 @@ def main() -> None:
     from gr_functional.data import batching, split
     from gr_functional.retrieval.task import load_sequences, resolve
     from gr_functional.runtime import make_backend
-    from gr_functional.train import init_opt_state, make_train_step
+    from gr_functional.step import init_opt_state, make_train_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="quickstart")

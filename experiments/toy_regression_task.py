@@ -5,8 +5,8 @@ trained by grf train's own loop (run folder, checkpoints, exact resume, grf eval
         --set model.task=toy_regression --set data.dataset=toy-regression --out runs/toy
 
 One module, two registrations (the task and its dataset), no edit of gr_functional. The step is
-the shared one (``train.make_train_step`` on this task's ``Objective``), so ``optim.*``, the NaN
-guard, ``backend.precision`` and ``train.accumulate`` apply unchanged. tests/test_task_plugin.py
+the shared one (``step.make_train_step`` on this task's ``Objective``), so ``optim.*``, the NaN
+guard, ``backend.precision`` and ``step.accumulate`` apply unchanged. tests/test_task_plugin.py
 trains, kills, resumes, evaluates and reports it.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gr_functional.data.prefetch import PrefetchStats
 from gr_functional.data.registry import DatasetSpec, get_dataset, register_dataset
 from gr_functional.hooks import Evaluation, StepResult
 from gr_functional.task import ModelState, Prepared, Task, register_task
-from gr_functional.train import Objective, make_train_step
+from gr_functional.step import Objective, make_train_step
 
 DIM = 8
 

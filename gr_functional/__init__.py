@@ -22,7 +22,7 @@ from .configure import load_config
 _LAZY = {"prepare": ("experiment", "prepare"), "Experiment": ("experiment", "Experiment"),
          "fit": ("runner", "train"), "evaluate_checkpoint": ("runner", "evaluate_checkpoint")}
 # submodules reachable as attributes (grf.losses.register, grf.model.loss_fn) without importing them
-_SUBMODULES = ("losses", "model", "data", "batch", "plugins", "train", "optim", "optimizers", "task", "tree")
+_SUBMODULES = ("losses", "model", "data", "batch", "plugins", "step", "optim", "optimizers", "task", "tree")
 
 __all__ = ["Config", "Experiment", "evaluate_checkpoint", "fit", "load_config", "losses", "model", "prepare",
            "replace"]

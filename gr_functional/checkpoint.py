@@ -26,7 +26,6 @@ import json
 import os
 import re
 import struct
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -409,8 +408,3 @@ class CheckpointDir:
         for p in (self.index_path, self.last_path, *self.stale_temp_files()):
             p.unlink(missing_ok=True)
         return n
-
-
-def warn(message: str) -> None:
-    """A warning for people running ``grf``: one line on stderr, prefixed like CLI errors."""
-    print(f"grf: warning: {message}", file=sys.stderr, flush=True)

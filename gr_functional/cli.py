@@ -28,6 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
+from . import log
 from .plugins import import_plugins, normalise
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torch_npu without CANN breaks torch
@@ -113,7 +114,7 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     # gr_functional.rank runs gr_functional.cli's main and records the rank's exit code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", "gr_functional.rank", *argv]
-    print(f"grf: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    log.say(f"launching {nproc} ranks: {' '.join(cmd[1:])}")
     dist_torch.reap_exit_dirs()  # temp folders of launchers that were killed
     exit_dir = dist_torch.make_exit_dir()
     env = {**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir, dist_torch.LAUNCHER_PID_ENV: str(os.getpid())}
@@ -130,8 +131,8 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     finally:
         shutil.rmtree(exit_dir, ignore_errors=True)
     if code != 0:
-        print(f"grf: error: the {nproc}-rank run failed (torchrun exit {code}; {why}): exit {job}; the messages "
-              f"above name the failing rank", file=sys.stderr)
+        log.error(f"the {nproc}-rank run failed (torchrun exit {code}; {why}): exit {job}; the messages above name "
+                  f"the failing rank")
     return job
 
 
@@ -215,7 +216,7 @@ def cmd_eval(args) -> int:
     out = Path(args.out) if args.out else ck.with_name(f"{ck.stem}.eval-{args.split}-{result['backend']}.json")
     atomic_write_bytes(out, (text + "\n").encode())
     print(text)
-    print(f"grf: wrote {out}", file=sys.stderr)
+    log.say(f"wrote {out}")
     return 0
 
 
@@ -437,10 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except _Terminated:  # past _main's own handler (its last lines)
-        print(f"grf: {_stopped()}", file=sys.stderr)
+        log.say(_stopped())
         return 143
     except KeyboardInterrupt:  # also during the imports before _main's own handler
-        print(f"grf: {_INTERRUPTED}", file=sys.stderr)
+        log.say(_INTERRUPTED)
         return 130
 
 
@@ -472,10 +473,10 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return code
     except _Terminated:
-        print(f"grf: {_stopped()}", file=sys.stderr, flush=True)
+        log.say(_stopped())
         return 143
     except KeyboardInterrupt:
-        print(f"grf: {who}{_INTERRUPTED}", file=sys.stderr)
+        log.say(f"{who}{_INTERRUPTED}")
         return 130
     except BrokenPipeError:
         # `grf report ... | head`: the reader left; not an error. Point stdout at devnull so
@@ -483,16 +484,16 @@ def _main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except WriteError as exc:  # before user_errors: a WriteError is an OSError, not a user error
-        print(f"grf: error: {who}{exc}", file=sys.stderr)
+        log.error(f"{who}{exc}")
         return 5
     except user_errors as exc:
-        print(f"grf: error: {who}{exc}", file=sys.stderr)
+        log.error(f"{who}{exc}")
         return 2
     except TrainingAborted as exc:  # the run saved its last good state; exit 3 tells scripts apart
-        print(f"grf: error: {who}{exc}", file=sys.stderr)
+        log.error(f"{who}{exc}")
         return 3
     except DistributedError as exc:  # the message starts with "rank R:" already
-        print(f"grf: error: {exc}", file=sys.stderr, flush=True)
+        log.error(f"{exc}")
         return 4
     finally:
         if previous is not None:  # main() called in-process (tests, scripts): their handler back

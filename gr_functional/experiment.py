@@ -63,7 +63,7 @@ class Experiment:
     def embedding_host(self):
         """A fresh ``embedding.lookup.EmbeddingHost``: with a row-sparse embedding optimizer,
         ``host.prepare([batch], step)`` maps a step's ids to table rows (in step order) and
-        returns the batches ``train.make_train_step`` takes."""
+        returns the batches ``step.make_train_step`` takes."""
         from .embedding.lookup import make_host
 
         return make_host(self.cfg)

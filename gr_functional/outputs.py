@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import atomic_write_bytes, warn, write_error
-
-
-def say(message: str) -> None:
-    """A ``grf: ...`` line on stderr."""
-    print(f"grf: {message}", file=sys.stderr, flush=True)
+from .checkpoint import atomic_write_bytes, write_error
+from .log import warn
 
 
 class JsonLog:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import tomllib
 from pathlib import Path
 from .errors import ReportError  # noqa: F401 (re-exported)
+from .log import warn
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
@@ -243,7 +243,7 @@ def find_runs(paths: list) -> list:
             raise ReportError(f"{p}: neither a run directory nor a folder of them (no metrics.jsonl)")
     for run in runs:  # damaged files: said once, on stderr, before the table
         for warning in run.warnings:
-            print(f"grf: warning: {warning}", file=sys.stderr, flush=True)
+            warn(warning)
     return runs
 
 

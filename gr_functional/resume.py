@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, warn
+from .checkpoint import Checkpoint, CheckpointDir, CheckpointError
+from .log import warn
 from .config import Config, ConfigError
 from .errors import DataError
 from .runlock import RunLocked
-from .train import dense_state, init_loss_scale
+from .step import dense_state, init_loss_scale
 from .tree import tree_items
 
 RESUME_MODES = ("auto", "must", "never")

@@ -46,13 +46,15 @@ from backends.kernels import check_config as kernel_problem
 from backends.kernels import valid_names as kernel_names
 
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
-                         check_finite, fault_point, read_checkpoint, warn)
+                         check_finite, fault_point, read_checkpoint)
 from .config import Config, ConfigError, build_config, config_to_toml, replace
 from .config import validate as config_validate
 from .configure import validate
 from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
-from .hooks import LocalComm, Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, named_hooks
-from .outputs import JsonLog, NullLog, say, write_result
+from .comm import LocalComm
+from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, named_hooks
+from .log import say, warn
+from .outputs import JsonLog, NullLog, write_result
 from .plugins import import_plugins, normalise
 from .report import select_epoch
 from .resume import (RESUME_MODES, RunState, check_param_shapes, find_resume, restore_opt_state,
@@ -60,7 +62,7 @@ from .resume import (RESUME_MODES, RunState, check_param_shapes, find_resume, re
 from .runlock import RunLock
 from .runtime import make_backend
 from .task import Task, get_task
-from .train import init_opt_state
+from .step import init_opt_state
 
 DIST_TORCH_BACKENDS = ("torch", "npu")
 

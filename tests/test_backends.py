@@ -58,7 +58,7 @@ def test_torch_ops_create_nothing_off_device(kernel):
     from gr_functional import model
     from gr_functional.batch import make_batch
     from gr_functional.configure import load_config
-    from gr_functional.train import init_opt_state, make_scorer, make_train_step
+    from gr_functional.step import init_opt_state, make_scorer, make_train_step
 
     cfg = load_config(None)
     mc = dataclasses.replace(cfg.model, num_items=100, max_len=40, attention_tile=16)

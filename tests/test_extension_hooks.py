@@ -7,7 +7,8 @@ import json
 import pytest
 
 from gr_functional import runner
-from gr_functional.hooks import Hook, LocalComm
+from gr_functional.comm import LocalComm
+from gr_functional.hooks import Hook
 
 from .reliability.common import tiny_config
 

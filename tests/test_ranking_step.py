@@ -1,4 +1,4 @@
-"""The ranking step on ``train.make_train_step`` (gr_functional/ranking/task.py
+"""The ranking step on ``step.make_train_step`` (gr_functional/ranking/task.py
 ``ranking_objective``): gradient accumulation equal to one batch of all the micro-batches' users,
 bf16 / fp16 against fp32 on both backends, a ``grf train`` run with both, and stale hash-row
 updates (``embedding.staleness``) on both backends.
@@ -26,7 +26,7 @@ from gr_functional.ranking.model import init_ranking_params, make_ranking_batch
 from gr_functional.ranking.task import (RankingSteps, init_params, make_host, make_ranking_step, ranking_objective,
                                           shared_norm)
 from gr_functional.runtime import make_backend
-from gr_functional.train import init_opt_state, micro_grads
+from gr_functional.step import init_opt_state, micro_grads
 from gr_functional.tree import tree_items
 
 from .differential.common import finite_grads, rel_err, tree_cosine
@@ -117,7 +117,7 @@ def test_padded_batches_train_what_exact_ones_do(tables):
     assert padded.layout.max_len > exact.layout.max_len == float(exact.norm_len) == float(padded.norm_len)
     assert padded.layout.max_len == min(round_up_capacity(exact.layout.max_len, 1), cfg.ranking.max_seq_len)
     assert len(padded.item_ids) > len(exact.item_ids) and padded.cand_mask[real:].sum() == 0
-    np.testing.assert_array_equal(padded.keep_input[:exact.layout.t_cap], exact.keep_input)
+    np.testing.assert_array_equal(padded.input_keep[:exact.layout.t_cap], exact.input_keep)
     loss_exact, want = _one_step(B, cfg, [exact])
     loss_padded, got = _one_step(B, cfg, [padded])
     assert abs(loss_padded - loss_exact) <= 1e-12 * abs(loss_exact)
@@ -216,7 +216,7 @@ def fp32_tail(tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_grf_train_ranking_in_low_precision_with_accumulation(tmp_path, precision, fp32_tail):
-    """``grf train`` of the preset with a hash table, ``train.accumulate = 2`` and bf16 / fp16: 5
+    """``grf train`` of the preset with a hash table, ``step.accumulate = 2`` and bf16 / fp16: 5
     loader batches an epoch make 3 steps (the last of one batch); no step skipped (fp16 starts at a
     loss scale of 1024, below the 8192-16384 that overflow here, so every run trains 6 steps); the
     last epoch's mean loss within 1e-3 of fp32's (relative; measured 3e-5 bf16, 8e-5 fp16)."""

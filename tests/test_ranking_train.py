@@ -213,7 +213,7 @@ def test_ranking_steps_agree_between_torch_and_jax():
     from gr_functional.ranking.task import make_ranking_step
     from gr_functional.runtime import make_backend
     from gr_functional.config import replace
-    from gr_functional.train import init_opt_state
+    from gr_functional.step import init_opt_state
 
     cfg = load_config(PRESET, TINY)
     seqs = synthetic_ranking(24, 300, 60, seed=0, min_events=31)
@@ -262,7 +262,7 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
     from gr_functional.ranking.model import ranking_loss, table_plan
     from gr_functional.ranking.task import make_host
     from gr_functional.runtime import make_backend
-    from gr_functional.train import TABLE, local_params
+    from gr_functional.step import TABLE, local_params
 
     cfg = load_config(PRESET, TINY + ["embedding.kind=hash", "embedding.optimizer=lazy_adam",
                                       "embedding.capacity=4000", f"backend.name={backend_name}"])

@@ -7,7 +7,7 @@ def rank_loss_weight(global_tokens: int, world_size: int, *, grad_reduce: str = 
     global per-token mean, whatever the per-rank token counts.
 
     With ``grad_reduce="mean"`` (DDP averages gradients over ``world_size`` ranks) the factor is
-    ``world_size / global_tokens``; with ``"sum"`` (what ``train.py`` and ``backends/dist_torch.py``
+    ``world_size / global_tokens``; with ``"sum"`` (what ``step.py`` and ``backends/dist_torch.py``
     do) it is ``1 / global_tokens``. ``global_tokens`` is the all-reduced sum of the ranks'
     loss-bearing token counts. Normalising by the local count instead (a per-rank mean)
     over-weights tokens on ranks that hold few of them, which balancing by cost makes common.

@@ -10,7 +10,7 @@ release the GIL, so on two or more cores the build overlaps the step's compute.
 What stays on the main thread, by design: the id-to-row mapping of a replicated row-sparse
 table (``EmbeddingHost.prepare``). It is stateful (inserts, evictions), and a checkpoint must hold
 the table state of the last *trained* step. What a row-sharded table's step does move here
-(``hooks.RankSteps``): its id dedup, the rewrite to local indices and the id exchange with the
+(``execution.RankSteps``): its id dedup, the rewrite to local indices and the id exchange with the
 owners (``ShardedTable.route``: an id's owner is a function of the id), on a process group of the
 worker's own; and with ``embedding.staleness >= 1`` a second worker (``Worker``) maps and looks
 up the next step's ids while a step computes, checkpoints reading the hash table as it was
@@ -166,7 +166,7 @@ class Prefetch:
 
 class Worker:
     """One daemon thread running submitted functions in order (``submit(fn) -> Future``): the
-    sparse side of a pipelined step (``hooks.RankSteps``). A daemon, so a function blocked in a
+    sparse side of a pipelined step (``execution.RankSteps``). A daemon, so a function blocked in a
     collective whose peer died never holds the process at exit (the watchdog reports the peer)."""
 
     def __init__(self, name: str = "grf-worker"):

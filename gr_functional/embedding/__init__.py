@@ -10,8 +10,8 @@
                 shard export / re-sharding
   collection.py several id features merged into tables by width (one gather per group)
 
-The sparse train step itself is ``train.local_params`` / ``train.sparse_update`` (replicated
-tables) and ``train.make_sharded_dist_step`` (row-sharded ones).
+The sparse train step itself is ``step.local_params`` / ``step.sparse_update`` (replicated
+tables) and ``step.make_sharded_dist_step`` (row-sharded ones).
 
 Host work (mapping, dedup) is numpy, like negatives and dropout masks; rows and their optimizer
 state live with the backend.

@@ -133,7 +133,7 @@ class EmbeddingCollection:
 def group_rows(B, tables: dict, lookups: dict) -> dict:
     """Per group, the step's rows ``[S, D]``: ONE ``gather_rows`` of its table (fresh rows at
     their initial value). This is what a step differentiates and a row-sparse optimizer updates
-    (as ``train.local_params`` does for the item table). ``tables``: group name -> ``[rows, D]``."""
+    (as ``step.local_params`` does for the item table). ``tables``: group name -> ``[rows, D]``."""
     return {name: looked_up_rows(B, tables[name], lk) for name, lk in lookups.items()}
 
 

@@ -359,7 +359,7 @@ class ShardedTable:
         re-assigned rows) and apply the update due now (queued k steps ago) at ``lr`` (update
         i's). Step i+1's lookup may follow at once: it reads exactly what it would after step i.
         So ``land`` and the next lookup can run on a worker while step i computes
-        (``hooks.RankSteps``); if step i is then skipped, ``queue`` takes the due update back."""
+        (``execution.RankSteps``); if step i is then skipped, ``queue`` takes the due update back."""
         B = self.B
         self._settle()
         rows, fresh = B.asarray(pending.rows), B.asarray(pending.fresh)

@@ -17,7 +17,8 @@ optimizers), ``accumulate`` (gradient accumulation), ``loss_scale`` (fp16 dynami
 imported on first use only, since it imports optax and so jax).
 
 Layering: imports only leaf utilities (tree, errors, registry; config for types) and no array
-library; ``optim.py`` and ``embedding/rowopt.py`` remain what train.py runs until it is wired here.
+library. The step (step.py) builds its dense optimizer here (``build``); ``optim.py`` keeps the plain
+AdamW every transform is tested against, ``embedding/rowopt.py`` the row-sparse updates.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``multi_steps(tx, k)``: every call adds its gradient to an accumulator; calls 1 .. k-1 of each
 group return ``-0.0`` updates (params bit-identical) and leave ``tx``'s state alone; the k-th
 gives ``tx`` the mean ``sum / k`` (``use_mean=False``: the sum, for micro-gradients already
-weighted, e.g. by their share of the step's tokens as ``train.py`` does) and resets the sum.
+weighted, e.g. by their share of the step's tokens as ``step.py`` does) and resets the sum.
 So k micro-steps of a batch split in k equal parts make one step of the whole batch.
 
 Why a sum then one division rather than optax's running mean ``acc + (g - acc) / n``: it is the

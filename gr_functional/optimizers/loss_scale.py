@@ -1,9 +1,9 @@
 """Dynamic loss scaling (fp16) as a pure state machine, and as a wrapper transform.
 
-State ``{"scale": 0-d fp32, "good_steps": 0-d fp32}`` (``train.init_loss_scale``'s, stored in the
+State ``{"scale": 0-d fp32, "good_steps": 0-d fp32}`` (``step.init_loss_scale``'s, stored in the
 optimizer state as ``opt_state["loss_scale"]``). The loss is multiplied by ``scale`` before it is
 differentiated and the gradients divided by it (a power of two: exact). After each step,
-torch.amp.GradScaler's rule, with ``train.apply_update``'s arithmetic reproduced exactly::
+torch.amp.GradScaler's rule, with ``step.apply_update``'s arithmetic reproduced exactly::
 
     good = good_steps + 1;  grow = good >= window
     scale'      = scale * 0.5                          if the gradients overflowed (not finite)
@@ -12,7 +12,7 @@ torch.amp.GradScaler's rule, with ``train.apply_update``'s arithmetic reproduced
 
 ``applied`` (the step's update was taken) is ``grads_finite`` unless another guard (a
 non-finite or exploding update) rejected it: such a step leaves the scale alone and restarts the
-count. fp32 regardless of the master dtype, as in train.py.
+count. fp32 regardless of the master dtype, as in step.py.
 """
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ class RankingBatch:
       num_targets[B]    candidates per user
       cand_rows[c]      each candidate's token row;  cand_items[c] its video row
       cand_feats[c, 4]  time features of its query time;  labels[c, K];  cand_mask[c]
-      keep_input[T, D], keep_layers[L, T, 3 H dv]: dropout masks / keep probability, or None
+      input_keep[T, D], block_keep[L, T, 3 H dv]: dropout masks / keep probability, or None
     """
 
     layout: Jagged
@@ -152,8 +152,8 @@ class RankingBatch:
     labels: Any
     cand_mask: Any
     norm_len: Any = None
-    keep_input: Any = None
-    keep_layers: Any = None
+    input_keep: Any = None
+    block_keep: Any = None
     lookup: Any = None      # hash tables (ranking/sparse.py): the step's rows; ids above are then local
 
 
@@ -226,14 +226,14 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         shape[axis] = size - x.shape[axis]
         return np.concatenate([x, np.full(shape, value, x.dtype)], axis=axis)
 
-    keep_input = keep_layers = None
+    input_keep = block_keep = None
     if rng is not None:
         # drawn at the exact layout's capacity whatever the padding: the same masks on the real tokens
-        keep_input = (rng.random((t_exact, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
-        keep_layers = (rng.random((cfg.num_layers, t_exact, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
+        input_keep = (rng.random((t_exact, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
+        block_keep = (rng.random((cfg.num_layers, t_exact, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
             1.0 - cfg.linear_dropout)
-        keep_input = fill(keep_input.astype(np.float32), t_cap, 1.0)
-        keep_layers = fill(keep_layers.astype(np.float32), t_cap, 1.0, axis=1)
+        input_keep = fill(input_keep.astype(np.float32), t_cap, 1.0)
+        block_keep = fill(block_keep.astype(np.float32), t_cap, 1.0, axis=1)
     item_lengths = [l - S for l in lengths]
     return RankingBatch(
         layout=layout, norm_len=np.asarray(longest, np.float32),
@@ -248,7 +248,7 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         cand_items=fill(np.concatenate(cand_items) + video_start, c_cap).astype(np.int32),
         cand_feats=fill(time_features(np.concatenate(query)), c_cap),
         labels=fill(task_labels(np.concatenate(cand_bits), cfg.action_weights), c_cap),
-        cand_mask=fill(np.ones(len(cand_rows), np.float32), c_cap), keep_input=keep_input, keep_layers=keep_layers)
+        cand_mask=fill(np.ones(len(cand_rows), np.float32), c_cap), input_keep=input_keep, block_keep=block_keep)
 
 
 def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> dict:
@@ -284,10 +284,10 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
     ctx_emb = emb["context"]                                                                   # [B, S, E]
     tok = assemble(B, contextual_tokens(B, ctx_emb, params["wc"], params["bc"]), items, batch.source)
     x = add_position_time(B, tok, batch.pos_idx, batch.time_idx, params["position"], params["time"])
-    if batch.keep_input is not None:
-        x = x * batch.keep_input
+    if batch.input_keep is not None:
+        x = x * batch.input_keep
     for i in range(cfg.num_layers):
-        keep = None if batch.keep_layers is None else batch.keep_layers[i]
+        keep = None if batch.block_keep is None else batch.block_keep[i]
         x = stu_layer(B, params["stu"][f"layer{i}"], x, batch.layout, batch.num_targets, batch.norm_len,
                       cfg.heads, cfg.dqk, keep)
     x_cand = B.gather_rows(x, batch.cand_rows)

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ..embedding.lookup import local_indexer, unique_ids
-from ..train import TABLE
+from ..step import TABLE
 from .model import table_plan
 
 ID_FIELDS = ("item_ids", "cand_items", "ctx_ids")

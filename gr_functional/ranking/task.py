@@ -2,7 +2,7 @@
 ranking dataset (ranking/data.py) by the one run loop (runner.py), with its files, checkpoints
 and exact resume; only the data, the step and the evaluation are its own.
 
-The step is the guarded update of ``train.apply_update`` on GR's multitask loss (sum over tasks of
+The step is the guarded update of ``step.apply_update`` on GR's multitask loss (sum over tasks of
 0.2 x mean BCE): the dense optimizer (``optim.name``), and with hash tables (ranking/sparse.py) the
 row-sparse optimizer on the step's rows. Evaluation after every ``train.eval_every`` epochs:
 per-task AUC, GAUC and NE on the validation and test samples (``eval.batch_size`` users per batch:
@@ -11,9 +11,9 @@ GR's attention normaliser is the batch's longest sequence, so this is part of th
 at 1K-user scale to select on); eval.json holds that epoch's test metrics.
 
 ``backend.precision`` (bf16 / fp16 with fp32 master weights and, for fp16, loss scaling),
-``train.accumulate`` (k loader batches per step, sharing the attention normaliser) and, with hash
+``step.accumulate`` (k loader batches per step, sharing the attention normaliser) and, with hash
 tables, ``embedding.staleness`` (row updates applied k steps late) run through
-``train.make_train_step``, the retrieval step, on ``ranking_objective``.
+``step.make_train_step``, the retrieval step, on ``ranking_objective``.
 
 ``train.max_tokens`` fills each batch up to a token budget (RankingLoader). Not yet supported
 here, refused by name (``config.validate`` and ``RankingTask.check``): row-sharded tables, more
@@ -30,11 +30,12 @@ import numpy as np
 from ..config import Config, ModelConfig
 from ..data.prefetch import PrefetchStats
 from ..errors import ConfigError, Diverged
-from ..hooks import Evaluation, Run, StepResult, lookup_record, step_groups
+from ..execution import lookup_record, step_groups
+from ..hooks import Evaluation, Run, StepResult
 from ..report import RANKING_SELECT
 from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
-from ..train import TABLE, Objective, make_train_step
+from ..step import TABLE, Objective, make_train_step
 from . import sparse
 from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
 from .heads import multitask_loss
@@ -49,7 +50,7 @@ def _cast_ranking_batch(B, batch, dtype: str):
     candidate flags and time features); labels and ``cand_mask`` stay fp32 (they weight the loss)."""
     cast = lambda x: None if x is None else B.cast(x, dtype)  # noqa: E731
     return dataclasses.replace(batch, is_cand=cast(batch.is_cand), cand_feats=cast(batch.cand_feats),
-                               keep_input=cast(batch.keep_input), keep_layers=cast(batch.keep_layers))
+                               input_keep=cast(batch.input_keep), block_keep=cast(batch.block_keep))
 
 
 def ranking_objective(cfg: Config) -> Objective:
@@ -68,10 +69,10 @@ def ranking_objective(cfg: Config) -> Objective:
 
 def make_ranking_step(B, cfg: Config):
     """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``:
-    ``train.make_train_step`` on ``ranking_objective`` (metrics as its; ``tokens`` = candidates):
+    ``step.make_train_step`` on ``ranking_objective`` (metrics as its; ``tokens`` = candidates):
     AdamW on every parameter, or with hash tables (ranking/sparse.py) AdamW on the dense ones and
     the row-sparse optimizer on the step's rows (``batch.lookup``); ``backend.precision`` and
-    ``train.accumulate`` as for retrieval."""
+    ``step.accumulate`` as for retrieval."""
     return make_train_step(B, cfg, ranking_objective(cfg))
 
 
@@ -106,7 +107,7 @@ def shared_norm(micro: list) -> list:
 
 
 class RankingSteps:
-    """``train.accumulate`` loader batches per optimizer step (the runner's ``steps`` protocol),
+    """``step.accumulate`` loader batches per optimizer step (the runner's ``steps`` protocol),
     sharing their normaliser (``shared_norm``). With a hash table, ``host`` maps each step's ids to
     rows on the main thread, in step order (a checkpoint holds the table state of the last trained
     step)."""
@@ -212,7 +213,7 @@ def param_shapes(cfg: Config) -> dict:
 def check_ranking_fits(cfg: Config) -> int:
     """``ConfigError`` naming the key to change when the parameters, their gradients and AdamW's
     two moments (16 bytes per parameter, the tables dominating: GR's defaults hold 7 tables of 10M
-    rows, 70M x 256 x 16 B = 287 GB), plus 4 B for the running gradient sum of ``train.accumulate``
+    rows, 70M x 256 x 16 B = 287 GB), plus 4 B for the running gradient sum of ``step.accumulate``
     > 1 and 4 B for bf16 / fp16's 16-bit copies of the parameters and their gradients, exceed the
     available memory; returns that byte count. Activations are left out (small at these widths
     next to the tables)."""

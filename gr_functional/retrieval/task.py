@@ -3,7 +3,7 @@ evaluated on each user's held-out last (test) and second-to-last (valid) item by
 ranking (README "Evaluation"). The run loop (runner.py) calls it through ``task.Task``.
 
 Data-parallel (README "Distributed training"): under torchrun every rank trains its share of
-every global batch (``data.batching.RankSplit``) with ``train.make_dist_train_step``; with
+every global batch (``data.batching.RankSplit``) with ``step.make_dist_train_step``; with
 ``embedding.sharding = "row"`` the item table is row-sharded over the ranks (``ShardedTable``).
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ from ..data.datasets import load_dataset
 from ..embedding.lookup import make_host, table_params
 from ..embedding.sharding import assemble_table, make_sharded
 from ..errors import DataError, Diverged
-from ..hooks import Evaluation, make_steps
+from ..execution import make_steps
+from ..hooks import Evaluation
 from ..memory import check_fits, table_items
 from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
-from ..train import make_scorer
+from ..step import make_scorer
 
 
 def load_sequences(cfg: Config):

@@ -27,7 +27,7 @@ def test_a_hash_table_trains_on_stream_batches():
 
     from gr_functional.embedding.lookup import localize_histories, make_host, table_params
     from gr_functional.model import init_params
-    from gr_functional.train import init_opt_state, make_train_step
+    from gr_functional.step import init_opt_state, make_train_step
 
     cfg = grf.load_config(None, ["model.num_items=1", "model.embed_dim=16", "model.dqk=8", "model.dv=8",
                                  "model.max_len=32", "model.num_blocks=1", "embedding.kind=hash",

@@ -10,7 +10,7 @@ import pytest
 
 import gr_functional as grf
 from gr_functional.errors import ConfigError
-from gr_functional.train import init_opt_state, micro_grads
+from gr_functional.step import init_opt_state, micro_grads
 from gr_functional.tree import tree_items
 
 

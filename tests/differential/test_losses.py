@@ -9,7 +9,7 @@ import pytest
 from gr_functional import losses, model
 from gr_functional.batch import Negatives, make_batch
 from gr_functional.config import Config, LossConfig, ModelConfig, OptimConfig
-from gr_functional.train import make_train_step
+from gr_functional.step import make_train_step
 
 from . import oracle
 from .common import FWD_TOL, GRAD_TOL, MAX_LEN, TRAJ_TOL, rel_err
@@ -213,7 +213,7 @@ def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, s
     for bname in names:
         B = get_backend(bname)
         step = make_train_step(B, cfg)
-        from gr_functional.train import init_opt_state
+        from gr_functional.step import init_opt_state
 
         params = B.asarray_tree(model.init_params(CFG, seed=0))
         opt = init_opt_state(B, params, cfg)

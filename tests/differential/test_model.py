@@ -13,7 +13,7 @@ from gr_functional import model
 from gr_functional.batch import Negatives, make_batch
 from gr_functional.config import Config, ModelConfig, OptimConfig
 from gr_functional.optim import adamw_init, adamw_update
-from gr_functional.train import make_train_step
+from gr_functional.step import make_train_step
 from gr_functional.tree import tree_items
 
 from .common import (FWD_TOL, GRAD_TOL, MAX_LEN, REFERENCE_BACKEND, TRAJ_TOL, compared_backends, kernel_backend,

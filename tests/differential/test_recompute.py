@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gr_functional as grf
-from gr_functional.train import init_opt_state, micro_grads
+from gr_functional.step import init_opt_state, micro_grads
 from gr_functional.tree import tree_items
 
 CASES = [("torch", "tiled", False), ("torch", "reference", False), ("jax", "tiled", False),
@@ -46,7 +46,7 @@ def test_recomputed_attention_equals_kept(backend_name, kernel, compile_):
 
 
 def test_recompute_keeps_less_for_backward_on_torch():
-    from gr_functional.train import train_step
+    from gr_functional.step import train_step
 
     kept = {}
     for on in ("false", "true"):

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     from gr_functional.configure import load_config
     from gr_functional.data import batching, split
     from gr_functional.retrieval.task import load_sequences, resolve
-    from gr_functional.train import init_opt_state, rank_scales
+    from gr_functional.step import init_opt_state, rank_scales
     from gr_functional.tree import tree_items
 
     from ..reliability.common import ROOT

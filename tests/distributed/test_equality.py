@@ -267,7 +267,7 @@ def _same_tree(a, b) -> bool:
 # steps with train.accumulate = 1, so the guard skips them on every rank (the loss is all-reduced)
 _NAN_STEPS = """
 import os
-import gr_functional.train as t
+import gr_functional.step as t
 _real, _calls, _bad = t._loss, [0], {int(x) for x in os.environ["GRF_TEST_NAN_CALLS"].split(",")}
 def _loss(*args, **kwargs):
     _calls[0] += 1

@@ -11,7 +11,7 @@ from gr_functional.data import batching, split
 from gr_functional.data.loaders import DataError
 from gr_functional.retrieval.task import load_sequences, resolve
 from gr_functional.configure import validate
-from gr_functional.train import init_opt_state, micro_grads, rank_grads, rank_scales
+from gr_functional.step import init_opt_state, micro_grads, rank_grads, rank_scales
 from gr_functional.tree import tree_items, tree_map
 
 from ..differential.common import GRAD_TOL, rel_err

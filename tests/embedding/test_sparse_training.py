@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gr_functional as grf
-from gr_functional.train import init_opt_state, make_train_step
+from gr_functional.step import init_opt_state, make_train_step
 
 from ..reliability.common import metrics, run_grf
 from ..reliability.test_resume import _run_until_fault

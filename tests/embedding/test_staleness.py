@@ -10,7 +10,7 @@ import pytest
 import gr_functional as grf
 from gr_functional.embedding.lookup import Lookup
 from gr_functional.optim import adamw_update
-from gr_functional.train import (TABLE, init_opt_state, local_params, make_train_step, micro_grads, refresh_rows,
+from gr_functional.step import (TABLE, init_opt_state, local_params, make_train_step, micro_grads, refresh_rows,
                                  sparse_update)
 
 from ..reliability.common import metrics, run_grf
@@ -145,7 +145,7 @@ def test_staleness_needs_a_row_sparse_optimizer():
 def test_a_skipped_step_queues_no_non_finite_gradient(tmp_path, monkeypatch):
     """A step the guard skips (NaN loss) with k = 2: its row gradient is not queued as NaN, so
     the next checkpoints are written (they refuse non-finite state) and the run finishes."""
-    from gr_functional import train as train_module
+    from gr_functional import step as train_module
     from gr_functional.checkpoint import read_checkpoint
     from gr_functional.runner import train
 

@@ -20,7 +20,7 @@ from backends import get_backend, row_kernels
 from gr_functional.config import OptimConfig
 from gr_functional.embedding import rowopt
 from gr_functional.errors import ConfigError
-from gr_functional.train import init_opt_state, make_train_step
+from gr_functional.step import init_opt_state, make_train_step
 from npu_ops import UnsupportedOnBackend, fbgemm_tbe
 from npu_ops.fakes.fake_fbgemm_tbe import fake_api
 

@@ -12,7 +12,7 @@ from gr_functional import model
 from gr_functional.batch import HSTUBatch, Negatives, make_batch
 from gr_functional.config import Config, ModelConfig, OptimConfig
 from gr_functional.jagged import Jagged
-from gr_functional.train import accumulate, finish, init_opt_state, make_train_step, micro_grads, train_step
+from gr_functional.step import accumulate, finish, init_opt_state, make_train_step, micro_grads, train_step
 from gr_functional.tree import tree_items
 
 from ..differential.common import FWD_TOL, GRAD_TOL, rel_err

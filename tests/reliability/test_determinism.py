@@ -12,7 +12,7 @@ from gr_functional.config import Config
 from gr_functional.data.batching import TrainLoader
 from gr_functional.data.split import leave_one_out
 from gr_functional.data.synthetic import make_synthetic
-from gr_functional.train import init_opt_state, make_train_step
+from gr_functional.step import init_opt_state, make_train_step
 from gr_functional.tree import tree_items
 
 from ..differential.test_model import CFG

@@ -21,7 +21,7 @@ from gr_functional import model
 from gr_functional.checkpoint import CheckpointDir, NonFiniteState, read_checkpoint, save_checkpoint
 from gr_functional.cli import main
 from gr_functional.config import Config, replace
-from gr_functional.train import init_opt_state, train_step
+from gr_functional.step import init_opt_state, train_step
 from gr_functional.tree import tree_items, tree_map
 
 from ..differential.test_model import CFG, make_train_batch

@@ -12,7 +12,7 @@ from backends import get_backend
 from gr_functional import model
 from gr_functional.checkpoint import CheckpointDir, read_checkpoint
 from gr_functional.data.batching import TrainLoader
-from gr_functional.train import init_opt_state, train_step
+from gr_functional.step import init_opt_state, train_step
 from gr_functional.tree import tree_items
 
 from ..differential.test_model import CFG, make_train_batch

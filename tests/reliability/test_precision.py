@@ -24,7 +24,7 @@ from backends import get_backend
 from gr_functional import model
 from gr_functional.batch import make_batch
 from gr_functional.config import BackendConfig, Config, OptimConfig, TrainConfig
-from gr_functional.train import init_opt_state, make_train_step, micro_grads
+from gr_functional.step import init_opt_state, make_train_step, micro_grads
 from gr_functional.tree import tree_items
 
 from ..differential.common import finite_grads, rel_err, tree_cosine

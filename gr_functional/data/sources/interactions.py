@@ -42,7 +42,6 @@ import csv
 import io
 import itertools
 import re
-import sys
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
+from ...log import note
 from ..loaders import _BLOCK_BYTES, _BOM, Interactions, _blocks, _read_first_line
 from ..registry import DatasetSpec, register_dataset
 
@@ -489,9 +489,8 @@ def _ids(col: _Column) -> np.ndarray:
                         f"{_MALFORMED_SHARE:.0%} of its rows do)")
     why = ("" if not n_int else f" ({n_other:,} of {n:,} rows are not integers)" if n_other else
            " (integers stored as text or beyond int64)")
-    print(f"grf: note: {col.path}: the {col.role} ids ({col.describe()}) are read as strings{why}: the "
-          f"{len(distinct):,} distinct ids were mapped to dense ints 1..{len(distinct):,} (in byte order)",
-          file=sys.stderr, flush=True)
+    note(f"{col.path}: the {col.role} ids ({col.describe()}) are read as strings{why}: the "
+         f"{len(distinct):,} distinct ids were mapped to dense ints 1..{len(distinct):,} (in byte order)")
     return dense.astype(np.int64) + 1
 
 

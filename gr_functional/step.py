@@ -7,7 +7,7 @@ the backend (``jax.jit`` on JAX, eager on torch).
 Everything a step needs beyond params lives in its arguments (README "Reliability"):
 
 - ``batch`` is one ``HSTUBatch`` or a list of micro-batches (gradient accumulation,
-  ``train.accumulate``). k micro-batches give the update of one batch holding all their
+  ``step.accumulate``). k micro-batches give the update of one batch holding all their
   sequences: each micro-batch's mean loss is weighted by its share of the supervised tokens,
   ``loss = sum_i n_i loss_i / sum_i n_i`` (n_i = ``sum(weights_i)``), the token-weighted mean
   that ``model.loss_fn`` computes over one big jagged batch. Gradients are combined the same way.
@@ -496,7 +496,7 @@ def make_sharded_dist_step(B, cfg: Config, comm, table):
     is skipped everywhere when any rank's row gradients are not finite. The dense optimizer and the guard
     see the dense parameters (the update ratio leaves the rows out).
 
-    ``ahead`` (staleness k >= 1, ``hooks.RankSteps``): called at the start with the first half of
+    ``ahead`` (staleness k >= 1, ``execution.RankSteps``): called at the start with the first half of
     the table's update (``table.land``, which needs nothing this step computes), it runs it
     elsewhere (with the next step's lookup) and returns a function waiting for it; the step then
     only ``table.queue``s its gradients. The result is the same as without it."""

@@ -1,0 +1,203 @@
+"""How a run executes its steps: ``LocalSteps`` in one process, ``RankSteps`` on one rank of a
+data-parallel run (gradients all-reduced inside the step; with a row-sharded table, the id
+exchange where batches are built). ``make_steps`` chooses; a task's own runner (ranking's
+``RankingSteps``) has the same two methods: ``batches(epoch, start, limit)`` and ``run(params,
+opt_state, micro, step, epoch) -> (params, opt_state, hooks.StepResult)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from .config import Config
+from .data.prefetch import PrefetchStats, Worker
+from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
+from .hooks import StepResult
+from .step import make_dist_train_step, make_sharded_dist_step, make_train_step
+
+
+def step_groups(batches, k: int):
+    """Consecutive groups of ``k`` batches (the last group of an epoch may be shorter)."""
+    group = []
+    for b in batches:
+        group.append(b)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def lookup_record(host, stats) -> dict | None:
+    """A step's lookup numbers for metrics.jsonl (None without row-sparse embeddings)."""
+    if stats is None:
+        return None
+    return {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
+            "bytes_after": stats.bytes_after, "table": host.counters()}
+
+
+class LocalSteps:
+    """Steps of a one-process run: ``step.accumulate`` loader batches per optimizer step. With
+    row-sparse embeddings, ``host`` (``embedding.lookup.EmbeddingHost``) maps each step's ids to
+    table rows, in step order, before the step runs."""
+
+    def __init__(self, B, cfg: Config, loader, host=None):
+        self.B, self.loader, self.k = B, loader, cfg.train.accumulate
+        self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
+        self.host = host if host is not None and host.sparse else None
+        self.fn = make_train_step(B, cfg)
+
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        """The steps of epoch ``epoch`` from batch ``start``: lists of micro-batches, at most
+        ``limit`` of them (the steps ``train.max_steps`` leaves)."""
+        steps = step_groups(self.loader.epoch(epoch, start, prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+        return itertools.islice(steps, limit)
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        stats = None
+        tokens = sum(b.layout.num_tokens() for b in micro)
+        if self.host is not None:
+            micro, stats = self.host.prepare(micro, step)
+        dev = [self.B.asarray_tree(b) for b in micro]
+        params, opt_state, m = self.fn(params, opt_state, dev if self.k > 1 else dev[0])
+        return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
+
+
+@dataclasses.dataclass
+class Routed:
+    """One step of a rank whose item table is row-sharded, prepared where batches are built:
+    ``micro`` (its ``RankBatch``es), ``batches`` (theirs, ids rewritten to local indices into
+    ``ids``), ``ids`` (its distinct ids, int64 increasing), ``refs`` (how many ids the batches
+    named) and ``hops`` (``ShardedTable.route``: the ids already exchanged with their owners)."""
+
+    micro: list
+    batches: list
+    ids: np.ndarray
+    refs: int
+    hops: list
+
+
+class RankSteps:
+    """Steps of one rank of a data-parallel run: its share of each global batch; gradients are
+    all-reduced inside the step (``step.make_dist_train_step``). With a row-sharded table
+    (``shard``), each step's id dedup, localisation and id exchange run where its batches are
+    built: ahead of the step on the prefetch worker (on a process group of its own,
+    ``comm.lane()``) when ``train.prefetch > 0``. The row exchange must see the updates due
+    before the step: synchronous (``embedding.staleness = 0``) it stays in the step; with
+    staleness k >= 1 the update due at step i needs nothing step i computes, so a second worker
+    (``ahead``) lands it and looks up step i+1's rows (on another lane) while step i computes,
+    and step i only queues its gradients (``ShardedTable.land`` / ``queue``); the run is bitwise
+    the one without workers (checkpoints hold the table as of the last trained step:
+    ``ShardedTable.export``) except the exchanged-bytes counters after a skipped step (the rows
+    read again are counted). Workers run only where ``comm.concurrent_groups`` (gloo)."""
+
+    def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
+        self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
+        self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
+        self.host = host if host is not None and host.sparse and shard is None else None
+        self.shard, self.log_every = shard, cfg.train.log_every
+        # the workers' exchanges run beside the main thread's, on their own process groups
+        workers = shard is not None and bool(self.prefetch) and getattr(comm, "concurrent_groups", True)
+        self.lane = comm.lane() if workers else None
+        self.ahead = workers and cfg.embedding.staleness >= 1
+        if self.ahead:
+            self.serve_lane, self.worker, self._next = comm.lane(), Worker("grf-sparse"), None
+        self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
+
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        """This rank's steps of epoch ``epoch`` from batch ``start``, at most ``limit`` (the steps
+        ``train.max_steps`` leaves: a worker that exchanges ids must stop where every rank's does)."""
+        # torch runs exact shapes: no padded slots, so a rank's work is its sequences' work
+        if self.shard is not None:
+            return self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact", prefetch=self.prefetch,
+                                          stats=self.prefetch_stats, group=self.k, finish=self._route, limit=limit,
+                                          pairs=self.ahead)
+        steps = step_groups(self.loader.rank_epoch(epoch, start, rank=self.comm.rank, capacity="exact",
+                                               with_ids=self.host is not None, prefetch=self.prefetch,
+                                               stats=self.prefetch_stats), self.k)
+        return itertools.islice(steps, limit)
+
+    def _route(self, micro: list) -> Routed:
+        ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
+        return Routed(micro, [localize(rb.batch, ids) for rb in micro], ids, refs, self.shard.route(ids, self.lane))
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        self.comm.step = step
+        self.comm.progress("step")
+        if self.shard is not None:
+            return self._run_sharded(params, opt_state, micro, step, epoch)
+        batches, stats = [rb.batch for rb in micro], None
+        if self.host is not None:
+            # every rank maps the ids of the whole global step (the same rows everywhere)
+            ids, _ = unique_ids([rb.step_ids[0] for rb in micro])
+            refs = sum(rb.step_ids[1] for rb in micro)
+            batches, stats = self.host.prepare(batches, step, ids, refs)
+        dev = [self.B.asarray_tree(b) for b in batches]
+        params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
+                                       sum(rb.global_tokens for rb in micro))
+        return params, opt_state, StepResult(
+            step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),  # global, as one process counts
+            rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
+            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=lookup_record(self.host, stats))
+
+
+    def _run_sharded(self, params, opt_state, routed: Routed, step: int, epoch: int):
+        """A step with a row-sharded table: this rank's ids (not the global batch's) are looked
+        up from their owners; the table's counters are summed over ranks on logged steps."""
+        B, xp = self.B, self.B.xp
+        routed, after = routed if self.ahead else (routed, None)
+        micro, ids, refs = routed.micro, routed.ids, routed.refs
+        if self.ahead and self._next is not None and self._next[0] == step:  # looked up during the last step
+            _, rows, pending = self._next
+            self.shard.count_bytes(pending)
+        else:
+            rows, pending = self.shard.lookup(ids, step, routed.hops)
+        self._next = None
+        # only ``touched`` matters here: ids without a row get no gradient (train._loss)
+        touched = Lookup(None, np.concatenate([[False], pending.admitted]), None, None)
+        batches = [dataclasses.replace(b, lookup=touched) for b in routed.batches]
+        rows = xp.concat([xp.zeros((1, rows.shape[1]), dtype=rows.dtype, device=B.array_device), rows], axis=0)
+        dev = [B.asarray_tree(b) for b in batches]
+        ahead, box = None, {}
+        if self.ahead:
+            def ahead(land):  # land step i's due update, then look up step i+1's rows, while step i computes
+                def tick():
+                    land()
+                    if after is not None:
+                        return self.shard.lookup(after.ids, step + 1, after.hops, comm=self.serve_lane, count=False)
+                future = self.worker.submit(tick)
+                return lambda: box.setdefault("next", future.result())
+        params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
+                                       sum(rb.global_tokens for rb in micro), rows, pending, ahead)
+        if box.get("next") is not None:
+            next_rows, next_pending = box["next"]
+            if not bool(m["finite"]):  # the skipped step took its due update back: read the rows again
+                next_rows = self.shard.serve(next_pending)
+            self._next = (step + 1, next_rows, next_pending)
+        record = None
+        if step % self.log_every == 0:
+            c = self.shard.counters()
+            keys = [k for k in ("lookups", "hits", "inserts", "evictions", "rejected", "overflow", "occupancy") if k in c]
+            total = self.comm.all_reduce_sum([refs, len(ids), *(c[k] for k in keys), *self.shard.bytes.values()])
+            stats = LookupStats(int(total[0]), int(total[1]), 4 * rows.shape[1])
+            table = {k: int(v) for k, v in zip(keys, total[2:2 + len(keys)])}
+            if table:
+                table.update(capacity=self.shard.table.capacity * self.comm.world_size,
+                             hit_rate=table["hits"] / table["lookups"] if table["lookups"] else 0.0)
+            record = {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
+                      "bytes_after": stats.bytes_after, "table": table,
+                      "exchange": {k: int(v) for k, v in zip(self.shard.bytes, total[2 + len(keys):])}}
+        return params, opt_state, StepResult(
+            step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),
+            rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
+            rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=record)
+
+
+def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
+    """The step runner of this process: one place chooses between one process and one rank."""
+    if comm.world_size == 1:
+        return LocalSteps(B, cfg, loader, host)
+    return RankSteps(B, cfg, loader, comm, host, shard)
+
