@@ -169,10 +169,7 @@ def cmd_train(args) -> int:
     from . import checkpoint, hooks, runner
 
     cfg = _load(args)
-    name = Path(args.config).stem if args.config else DEFAULT_CONFIG
-    # bf16/fp16 runs get their own default folder, so they never resume an fp32 run by accident
-    suffix = "" if cfg.backend.precision == "fp32" else f"-{cfg.backend.precision}"
-    out = Path(args.out or f"runs/{name}-{cfg.backend.name}{suffix}")
+    out = Path(args.out or default_out(args, cfg))
     nproc = args.nproc if args.nproc is not None else cfg.dist.nproc
     if nproc < 1:
         from .config import ConfigError
@@ -190,6 +187,28 @@ def cmd_train(args) -> int:
     keys = [k for k in result if k.startswith(("hr@", "ndcg@")) or k == "mrr"]  # eval.ks decides which
     print(json.dumps({k: round(result[k], 4) for k in keys} | {"epoch": result["epoch"], "out": str(out)}))
     return 0
+
+
+# --set keys that extend or observe a run without changing what it trains: a run given one of them
+# stays in (and resumes) the folder of its variant
+_FOLDER_NEUTRAL = ("train.epochs", "train.max_steps", "train.log_every", "train.checkpoint_every", "train.eval_every",
+                   "train.keep_checkpoints", "train.prefetch", "train.tensorboard", "backend.precision", "backend.name")
+
+
+def default_out(args, cfg) -> str:
+    """``runs/CONFIG-BACKEND[-PRECISION][-VARIANT]``: bf16/fp16 runs, and runs whose ``--set``
+    overrides change what trains (VARIANT: 8 hex digits of the sorted overrides), get their own
+    default folder, so that they never land in, or resume, the folder of another variant."""
+    import hashlib
+
+    name = Path(args.config).stem if args.config else DEFAULT_CONFIG
+    suffix = "" if cfg.backend.precision == "fp32" else f"-{cfg.backend.precision}"
+    changes = sorted(s.strip() for s in (args.set or []) if not isinstance(s, tuple)
+                     and not s.split("=", 1)[0].strip().startswith(("eval.", *_FOLDER_NEUTRAL)))
+    changes += sorted(str(p) for p in (getattr(args, "plugin", None) or []))
+    if changes:
+        suffix += "-" + hashlib.sha256("\n".join(changes).encode()).hexdigest()[:8]
+    return f"runs/{name}-{cfg.backend.name}{suffix}"
 
 
 def _last_step_hook(Hook):
@@ -337,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
                    help="a .py file or module to import first: it may register losses, datasets or attention kernels "
                         "(appended to train.plugins; repeatable)")
-    t.add_argument("--out", help="output folder (default runs/CONFIG-BACKEND, plus -bf16/-fp16 for those precisions)")
+    t.add_argument("--out", help="output folder (default runs/CONFIG-BACKEND, plus -bf16/-fp16 for those precisions "
+                                 "and 8 hex digits of the --set overrides that change what trains)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     r = t.add_mutually_exclusive_group()
     r.add_argument("--resume", action="store_true",
@@ -452,8 +472,8 @@ def _main(argv: list[str] | None = None) -> int:
         args.config = DEFAULT_CONFIG
     from backends import BackendUnavailable
 
-    from .errors import (CheckpointError, ConfigError, DataError, DistributedError, JaggedError, ReportError,
-                         RunLocked, TrainingAborted, WriteError)
+    from .errors import (CheckpointError, ConfigError, DataError, DistributedError, JaggedError, PluginError,
+                         ReportError, RunLocked, TrainingAborted, WriteError)
 
     user_errors: tuple = (ConfigError, BackendUnavailable, JaggedError, FileNotFoundError, CheckpointError,
                           ReportError, RunLocked, DataError)
@@ -495,6 +515,9 @@ def _main(argv: list[str] | None = None) -> int:
     except DistributedError as exc:  # the message starts with "rank R:" already
         log.error(f"{exc}")
         return 4
+    except PluginError as exc:  # the user's code failed, not the run: its checkpoints resume
+        log.error(f"{who}{exc}")
+        return 6
     finally:
         if previous is not None:  # main() called in-process (tests, scripts): their handler back
             signal.signal(signal.SIGTERM, previous)

@@ -2,7 +2,7 @@
 
 Each carries a message naming the file, line or key and the fix; ``grf`` maps the class to its
 exit code (README "Commands"): ConfigError / DataError / CheckpointError / RunLocked 2,
-TrainingAborted / Diverged 3, DistributedError 4, WriteError 5. Modules raise these; the old
+TrainingAborted / Diverged 3, DistributedError 4, WriteError 5, PluginError 6. Modules raise these; the old
 import paths (``config.ConfigError``, ``data.loaders.DataError``, ...) still work.
 """
 from __future__ import annotations
@@ -47,6 +47,12 @@ class TrainingAborted(RuntimeError):
 
 class Diverged(TrainingAborted):
     """Evaluation produced non-finite scores: the model diverged (``grf train``/``eval`` exit 3)."""
+
+
+class PluginError(RuntimeError):
+    """The user's code (a hook of ``train.hooks`` or ``grf.fit(hooks=...)``) raised, or called
+    ``sys.exit``, during a run; the message names it, the method, the step and the checkpoint the
+    same command resumes from (``grf train`` exits 6: the user's code, not the run, failed)."""
 
 
 class DistributedError(RuntimeError):

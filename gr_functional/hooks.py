@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import errors
 from .config import Config
 from .data.prefetch import PrefetchStats
 from .registry import Registry
@@ -238,8 +239,6 @@ class BadStepPolicy(Hook):
     ``TrainingAborted`` naming it and what to change."""
 
     def on_step(self, run: Run, step: StepResult) -> None:
-        from .errors import TrainingAborted
-
         tc, state = run.cfg.train, run.state
         if step.finite or not tc.max_bad_steps or state.bad_in_a_row < tc.max_bad_steps:
             return
@@ -251,7 +250,7 @@ class BadStepPolicy(Hook):
             state.epoch_end_pending = step.epoch  # its last batch: the resume ends the epoch
         path = run.save("abort", step.epoch)
         where = path if path is not None else f"{run.out / 'checkpoints'} (written by rank 0)"
-        raise TrainingAborted(
+        raise errors.TrainingAborted(
             f"training aborted at step {state.step}: {state.bad_in_a_row} steps in a row "
             f"(train.max_bad_steps={tc.max_bad_steps}) were skipped (last: {reason}); none was applied. The last "
             f"healthy checkpoint is {where}: params and optimizer state after step {first - 1}, data position "
@@ -289,8 +288,6 @@ class Evaluation(Hook):
         self.view = view
 
     def on_epoch_end(self, run: Run, record: dict) -> None:
-        from .errors import Diverged
-
         epoch, state = record["epoch"], run.state
         if not ((epoch + 1) % run.cfg.train.eval_every == 0 or run.last_epoch):
             return
@@ -301,11 +298,11 @@ class Evaluation(Hook):
         for name in ("valid", "test"):
             try:
                 record[name] = self.evaluate_split(run, params, host, name)
-            except Diverged as exc:
+            except errors.Diverged as exc:
                 run.log.write({"kind": "abort", "step": state.step, "epoch": epoch,
                                "reason": f"non-finite {name} scores"})
                 run.log.sync()
-                raise Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
+                raise errors.Diverged(f"training aborted at the end of epoch {epoch} (step {state.step}): {exc}. "
                                f"{last_healthy(self.ckdir)}") from None
             run.log.write({"kind": "eval", "split": name, "epoch": epoch, "step": state.step, **record[name]})
         run.log.flush()
@@ -379,9 +376,7 @@ class TensorBoard(Hook):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            from .errors import ConfigError
-
-            raise ConfigError(f"train.tensorboard=true needs the tensorboard package ({exc}); pip install "
+            raise errors.ConfigError(f"train.tensorboard=true needs the tensorboard package ({exc}); pip install "
                               f"tensorboard, or set train.tensorboard=false (metrics.jsonl holds every value)") from None
         return SummaryWriter
 
@@ -426,6 +421,52 @@ def hook_names() -> tuple[str, ...]:
 def named_hooks(names) -> list[Hook]:
     """One new hook per name of ``train.hooks`` (names were checked with the config)."""
     return [HOOKS.get(name)() for name in names]
+
+
+class UserHook(Hook):
+    """A hook of the user's (``train.hooks``, ``grf.fit(hooks=...)``) as the loop calls it: an
+    exception or ``sys.exit`` inside it stops the run with ``PluginError`` naming the hook, the
+    method and the step (``grf`` exits 6, not the code the plugin picked); the project's own
+    errors (``TrainingAborted`` from a hook that stops a run on purpose, ...) pass as they are."""
+
+    def __init__(self, hook: Hook, label: str, ckdir=None):
+        self.hook, self.label, self.ckdir = hook, label, ckdir
+
+    def _call(self, method: str, run: Run, *args) -> None:
+        try:
+            getattr(self.hook, method)(run, *args)
+        except tuple(v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)
+                     and v.__module__ == errors.__name__):
+            raise
+        except (Exception, SystemExit) as exc:
+            what = f"sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            where = f" (epoch {run.epoch})" if method != "on_close" else ""
+            then = (f" {last_healthy(self.ckdir)}" if self.ckdir is not None and method != "on_close" else "")
+            raise errors.PluginError(f"hook {self.label} failed in {method} at step {run.state.step}{where}: {what}."
+                                     f"{then}") from exc
+
+    def on_epoch_start(self, run: Run) -> None:
+        self._call("on_epoch_start", run)
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        self._call("on_step", run, step)
+
+    def on_epoch_end(self, run: Run, record: dict) -> None:
+        self._call("on_epoch_end", run, record)
+
+    def on_close(self, run: Run) -> None:
+        self._call("on_close", run)
+
+
+def user_hooks(names, extra=(), ckdir=None) -> list[Hook]:
+    """The user's hooks of a run, each a ``UserHook``: ``train.hooks`` by name, then ``extra``."""
+    named = [UserHook(hook, f"{name!r} ({_described(hook)})", ckdir) for name, hook in zip(names, named_hooks(names))]
+    return named + [UserHook(hook, _described(hook), ckdir) for hook in extra]
+
+
+def _described(hook) -> str:
+    cls = type(hook)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_config(cfg: Config) -> list[tuple[str, str, str]]:

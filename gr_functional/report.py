@@ -5,7 +5,7 @@ eval.json. This module reads only those files, so it works on finished runs, on 
 training (their best epoch so far) and on runs made by any backend or machine. It never imports
 an array library.
 
-- ``load_run(path) -> Run``: one run's evaluations, config and timings.
+- ``load_run(path) -> RunFolder``: one run's evaluations, config and timings.
 - ``select_epoch(records, metric)``: the epoch rule of the runner (best validation HR@10, or click
   AUC for ranking runs; first on ties).
 - ``summary_table(runs, metrics, group_seeds)``: one row per run, or per group of runs that differ
@@ -37,7 +37,7 @@ _EXECUTION = ("backend.deterministic", "backend.hstu_kernel", "backend.device", 
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class RunFolder:
     """One run directory, read.
 
     evals: ``[{"epoch": int, "valid": {metric: float}, "test": {metric: float}}]`` in epoch order
@@ -153,7 +153,7 @@ def _missing(path: Path) -> ReportError:
                        f"a folder of them; pass folders written by grf train --out, or a folder holding them")
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path) -> RunFolder:
     """Read the run directory ``path``; ReportError when it does not exist or holds no metrics.jsonl.
 
     A finished run (eval.json written) whose metrics.jsonl was cut (last line cut mid-record, or
@@ -226,7 +226,7 @@ def load_run(path: str | Path) -> Run:
             elif lacking:
                 incomplete = f"metrics.jsonl lacks epoch {last}"
             finished = finished and not incomplete
-    return Run(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings), selected_by)
+    return RunFolder(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings), selected_by)
 
 
 def find_runs(paths: list) -> list:
@@ -255,7 +255,7 @@ def differing_keys(runs: list, ignore: tuple = ()) -> list:
     return [k for k in keys if k not in skip and len({repr(r.config[k]) for r in runs if k in r.config}) > 1]
 
 
-def _status(run: Run) -> str:
+def _status(run: RunFolder) -> str:
     planned = run.config.get("train.epochs")
     if run.incomplete and not run.live:
         return f"incomplete ({run.incomplete})"

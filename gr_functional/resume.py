@@ -66,6 +66,37 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
     return errors, notes
 
 
+def config_changes(saved: Config, now: Config) -> dict:
+    """``{"section.key": [saved value, now]}`` of every key that differs (a resume records them)."""
+    out = {}
+    for section in dataclasses.fields(now):
+        a, b = getattr(saved, section.name), getattr(now, section.name)
+        for f in dataclasses.fields(b):
+            old, new = getattr(a, f.name), getattr(b, f.name)
+            if old != new:
+                out[f"{section.name}.{f.name}"] = [list(old) if isinstance(old, tuple) else old,
+                                                    list(new) if isinstance(new, tuple) else new]
+    return out
+
+
+def refuse_changes_to_a_finished_run(cfg: Config, restored: Checkpoint, loader) -> None:
+    """ConfigError when ``restored`` is a finished run (nothing left to train under ``cfg``'s
+    ``train.epochs`` / ``max_steps``) and ``cfg`` changes any key: nothing would train, and the
+    folder's config.toml must keep describing what did."""
+    state = RunState.from_meta(restored.meta["run"])
+    tc = cfg.train
+    done = state.epoch_end_pending < 0 and (loader.position[0] >= tc.epochs or bool(tc.max_steps and
+                                                                                    state.step >= tc.max_steps))
+    changed = config_changes(restored.config, cfg)
+    if not done or not changed:
+        return
+    keys = "; ".join(f"{k}: trained with {a!r}, now {b!r}" for k, (a, b) in changed.items())
+    raise ConfigError(f"{restored.path.parent.parent} holds a finished run (step {state.step}) and this command "
+                      f"changes {keys}. A finished run trains nothing more, and its config.toml must keep "
+                      f"describing what trained: train the variant in another folder (--out DIR), retrain this "
+                      f"one from scratch (--fresh), or raise train.epochs / train.max_steps to continue it")
+
+
 @dataclasses.dataclass
 class RunState:
     """What the training loop carries besides params and optimizer state (saved in each checkpoint).

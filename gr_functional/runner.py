@@ -50,15 +50,15 @@ from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteSt
 from .config import Config, ConfigError, build_config, config_to_toml, replace
 from .config import validate as config_validate
 from .configure import validate
-from .errors import Diverged, DistributedError, TrainingAborted  # noqa: F401 (re-exported)
+from .errors import Diverged, DistributedError, PluginError, TrainingAborted  # noqa: F401 (re-exported)
 from .comm import LocalComm
-from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, named_hooks
+from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
 from .log import say, warn
 from .outputs import JsonLog, NullLog, write_result
 from .plugins import import_plugins, normalise
 from .report import select_epoch
-from .resume import (RESUME_MODES, RunState, check_param_shapes, find_resume, restore_opt_state,
-                     resume_on_all_ranks, world_size)
+from .resume import (RESUME_MODES, RunState, check_param_shapes, config_changes, find_resume,
+                     refuse_changes_to_a_finished_run, restore_opt_state, resume_on_all_ranks, world_size)
 from .runlock import RunLock
 from .runtime import make_backend
 from .task import Task, get_task
@@ -131,8 +131,11 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
         stale = lock.acquire()
         if stale:
             warn(f"{lock.path}: taking over the lock of a run that is gone ({stale})")
-        return find_resume(cfg, ckdir, resume, prepared.loader, prepared.fingerprint,
-                           lambda ck: task.param_shapes(ck.config, ck.host))
+        restored, events = find_resume(cfg, ckdir, resume, prepared.loader, prepared.fingerprint,
+                                       lambda ck: task.param_shapes(ck.config, ck.host))
+        if restored is not None:
+            refuse_changes_to_a_finished_run(cfg, restored, prepared.loader)
+        return restored, events
 
     try:
         restored, events = resume_on_all_ranks(comm, find)
@@ -177,7 +180,7 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
     say_main = say if main else (lambda message: None)
     # hooks that can fail to start (a named hook's factory, TensorBoard without its package) are
     # made before the run touches OUT, so such an error leaves the folder as it was (even --fresh)
-    user_hooks = [*named_hooks(cfg.train.hooks), *extra_hooks]
+    mine = user_hooks(cfg.train.hooks, extra_hooks, ckdir)
     if cfg.train.tensorboard and main:
         TensorBoard.check()
     # ---- checks passed: from here on the run owns OUT (rank 0 only in a data-parallel run)
@@ -209,7 +212,13 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
         say_main(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
                  f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
                  f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
-        events.append({"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name})
+        resumed = {"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name}
+        changed = config_changes(restored.config, cfg)
+        if changed:  # config.toml now says the new values: the history of what trained is here
+            resumed["changed"] = changed
+            say_main(f"changed on resume, from step {state.step + 1}: "
+                     + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        events.append(resumed)
     else:
         model_state = task.fresh(B, prepared, comm)
         opt_state = init_opt_state(B, model_state.params, cfg)
@@ -267,7 +276,7 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=model_state.params,
               opt_state=opt_state, run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
     evaluation = task.evaluation(B, prepared, comm, model_state, ckdir)
-    hooks = [*builtin_hooks(cfg, out, main, evaluation), *user_hooks]
+    hooks = [*builtin_hooks(cfg, out, main, evaluation), *mine]
 
     run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
 
@@ -333,7 +342,8 @@ def run_epochs(run: Run, hooks: list, steps, epoch: int, start: int | None, resu
             try:
                 hook.on_close(run)
             except Exception as exc:  # noqa: BLE001 - never mask the run's own error or skip the closes below
-                warn(f"hook {type(hook).__name__}.on_close failed: {type(exc).__name__}: {exc}")
+                warn(str(exc) if isinstance(exc, PluginError) else
+                     f"hook {type(hook).__name__}.on_close failed: {type(exc).__name__}: {exc}")
         run.bar.close()
         run.log.close()
         run.timing.close()

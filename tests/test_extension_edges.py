@@ -64,7 +64,8 @@ def test_a_failing_on_close_never_hides_the_runs_own_error(tmp_path, capsys):
     with pytest.raises(TrainingAborted):
         runner.train(tiny_config("train.max_update_ratio=1e-6", "train.max_bad_steps=2"), tmp_path / "run",
                      progress=False, hooks=[BadClose()])
-    assert "BadClose.on_close failed: RuntimeError: bug in my on_close" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "BadClose failed in on_close at step" in err and "RuntimeError: bug in my on_close" in err
 
 
 LOSS = textwrap.dedent('''

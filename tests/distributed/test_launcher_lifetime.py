@@ -124,10 +124,13 @@ def test_killing_the_launcher_stops_every_rank_and_frees_the_run(tmp_path):
     finally:
         for pid, _ in _processes_of(out):
             os.kill(pid, signal.SIGKILL)
-    # the lock is free: the same command resumes (extended to a step it has passed: it only
-    # finishes), and the killed launcher's temp folder is gone once this launcher ends
-    r = subprocess.run(cmd[:-2] + ["--set", "train.max_steps=1", "--nproc", "2", "--resume"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=STARTUP_S)
+    # the lock is free: the same command resumes (extended to one step past its checkpoint), and
+    # the killed launcher's temp folder is gone once this launcher ends
+    from gr_functional.checkpoint import CheckpointDir
+
+    step = CheckpointDir(out / "checkpoints").steps()[0][0]
+    r = subprocess.run(cmd[:-2] + ["--set", f"train.max_steps={step + 1}", "--nproc", "2", "--resume"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=STARTUP_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"grf: resuming {out} from step-" in r.stderr, r.stderr[-3000:]
     assert not list(tmp.glob("grf-ranks-*"))

@@ -185,8 +185,12 @@ def test_sigterm_says_where_it_stopped_and_exits_143_and_the_same_command_resume
     assert "the last checkpoint is " in last and "rerun the same command to resume from it" in last, last
     # the lock is free and the checkpoint named is where the same command (extended) resumes
     named = last.split("the last checkpoint is ", 1)[1].split(" (step", 1)[0]
-    r = subprocess.run(cmd + ["--set", "train.max_steps=1"], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                       text=True, timeout=HANG_S)
+    # one step past the checkpoint (an extension: a key lowered to a finished state would be refused)
+    from gr_functional.checkpoint import CheckpointDir
+
+    step = CheckpointDir(out / "checkpoints").steps()[0][0]
+    r = subprocess.run(cmd + ["--set", f"train.max_steps={step + 1}"], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"grf: resuming {out} from {os.path.basename(named)}" in r.stderr, r.stderr[-3000:]
 
@@ -237,3 +241,87 @@ def test_an_abort_from_a_large_embedding_lr_names_embedding_lr(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "embedding.lr=1e+06" in proc.stderr and "Lower embedding.lr" in proc.stderr
     assert "--set embedding.lr=1e-4" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- 4b. the user's code fails
+_FAILING_HOOK = '''
+import os
+import sys
+
+from gr_functional.hooks import Hook, register_hook
+
+
+@register_hook("fails_at_step_4")
+class FailsAtStep4(Hook):
+    def on_step(self, run, step):
+        how = os.environ.get("GRF_TEST_HOOK", "")
+        if step.step == 4 and how == "raise":
+            raise RuntimeError("the hook's own bug")
+        if step.step == 4 and how == "exit":
+            sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("how, said", [("raise", "RuntimeError: the hook's own bug"), ("exit", "sys.exit(3)")])
+def test_a_failing_plugin_hook_exits_6_naming_it_and_the_run_resumes(tmp_path, how, said):
+    """Before: a plugin hook raising in on_step ended with a traceback and exit 1, and one calling
+    sys.exit(3) exited with the "diverged" code."""
+    plugin = tmp_path / "failing_hook.py"
+    plugin.write_text(_FAILING_HOOK)
+    out = tmp_path / "run"
+    extra = ("train.checkpoint_every=3", 'train.hooks=["fails_at_step_4"]')
+    proc = run_grf(out, *extra, args=("--plugin", str(plugin)), GRF_TEST_HOOK=how)
+    assert proc.returncode == 6, proc.stderr
+    assert "hook 'fails_at_step_4'" in proc.stderr and "failed in on_step at step 4" in proc.stderr
+    assert said in proc.stderr and "step-00000003.safetensors" in proc.stderr and "Traceback" not in proc.stderr
+    again = run_grf(out, *extra, args=("--plugin", str(plugin)))          # the cause fixed: it resumes
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+
+
+# ----------------------------------------------------------------------------- 2. a run folder keeps its history
+def test_a_finished_run_refuses_a_changed_key_and_keeps_its_config(tmp_path):
+    """Before: a rerun of a finished run with --set optim.lr=3e-3 trained nothing, exited 0 and left
+    config.toml saying lr 3e-3 for a run trained at 1e-3."""
+    out = tmp_path / "run"
+    assert run_grf(out, "train.epochs=1").returncode == 0
+    before = (out / "config.toml").read_bytes()
+    proc = run_grf(out, "train.epochs=1", "optim.lr=3e-3")
+    assert proc.returncode == 2
+    assert "finished run" in proc.stderr and "optim.lr: trained with 0.001, now 0.003" in proc.stderr
+    assert "--out" in proc.stderr and "--fresh" in proc.stderr
+    assert (out / "config.toml").read_bytes() == before
+    assert run_grf(out, "train.epochs=2", "train.log_every=2").returncode == 0     # extending it is no change
+
+
+def test_a_resume_with_changed_keys_records_them_with_their_step(tmp_path):
+    import json
+
+    from .test_resume import CKPT, _run_until_fault
+
+    out = tmp_path / "run"
+    _run_until_fault(out, "after-step@7")
+    proc = run_grf(out, *CKPT, "optim.lr=3e-3")
+    assert proc.returncode == 0, proc.stderr
+    assert "changed on resume, from step 7: optim.lr 0.001 -> 0.003" in proc.stderr
+    resumes = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "resume"]
+    assert resumes[-1]["step"] == 6 and resumes[-1]["changed"] == {"optim.lr": [0.001, 0.003]}
+
+
+def test_overrides_that_change_what_trains_get_their_own_default_folder(tmp_path, monkeypatch):
+    """Before: `grf train --set optim.lr=3e-3` without --out landed in runs/quickstart-torch and
+    resumed the run of the plain config there."""
+    from gr_functional import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "train", lambda cfg, out, **kw: seen.append(str(out)) or {"epoch": 0})
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--quiet"]) == 0
+    assert main(["train", "--quiet", "--set", "train.epochs=3"]) == 0                  # extends: same folder
+    assert main(["train", "--quiet", "--set", "optim.lr=3e-3"]) == 0
+    assert main(["train", "--quiet", "--set", "optim.lr=3e-3", "--set", "train.log_every=5"]) == 0
+    assert main(["train", "--quiet", "--set", "optim.lr=1e-2"]) == 0
+    assert seen[0] == seen[1] == "runs/quickstart-torch"
+    assert seen[2] == seen[3] and seen[2].startswith("runs/quickstart-torch-") and len(seen[2]) == 30
+    assert len({seen[0], seen[2], seen[4]}) == 3
