@@ -67,7 +67,6 @@ from .step import init_opt_state
 DIST_TORCH_BACKENDS = ("torch", "npu")
 
 
-
 def _fault_point(name: str, step: int) -> None:
     """``checkpoint.fault_point``, limited to rank ``GRF_FAULT_RANK`` when that is set (tests of a
     data-parallel run pause or kill one rank)."""
@@ -75,7 +74,6 @@ def _fault_point(name: str, step: int) -> None:
     if only is not None and only != os.environ.get("RANK", "0"):
         return
     fault_point(name, step)
-
 
 
 def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
