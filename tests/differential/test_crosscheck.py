@@ -84,3 +84,47 @@ def test_non_finite_output_fails(bad):
 
     report = _report(NanBackend())
     assert report.first_failure.name == "blocks.0.norm_mul"
+
+
+# ----------------------------------------------------------------------------- built as grf train builds it
+_WRONG_KERNEL = '''
+from backends.kernels import register_kernel
+
+
+@register_kernel("wrong_on_purpose", backends=("torch",))
+def wrong(B, q, k, v, layout, norm_len, bias):
+    """The reference attention, 1 % too large: a kernel bug crosscheck must catch."""
+    return B.hstu_attention_padded(q, k, v, layout, norm_len, bias) * 1.01
+'''
+
+
+def _crosscheck(*args, timeout=600):
+    import subprocess
+    import sys
+
+    from ..reliability.common import ROOT, subprocess_env
+
+    return subprocess.run([sys.executable, "-m", "gr_functional.cli", "crosscheck", "--config", "quickstart",
+                           "--backends", "jax,torch", "--users", "4", *args], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_crosscheck_runs_the_configured_kernel_and_catches_a_wrong_one(tmp_path):
+    """Before: crosscheck built both sides with the dtype only, so a wrong kernel selected by
+    backend.hstu_kernel passed "all layers agree"."""
+    plugin = tmp_path / "wrong_kernel.py"
+    plugin.write_text(_WRONG_KERNEL)
+    proc = _crosscheck("--plugin", str(plugin), "--set", "backend.hstu_kernel=wrong_on_purpose")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "attention" in proc.stdout
+
+
+def test_crosscheck_refuses_a_device_grf_train_refuses():
+    """Before: --set backend.device=cuda on a CPU-only torch passed, where grf train refuses it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device exists here: the refusal is for CPU-only torch")
+    proc = _crosscheck("--set", "backend.device=cuda")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cuda" in proc.stderr
