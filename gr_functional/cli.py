@@ -239,38 +239,17 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _crosscheck_side(cfg, name: str):
-    """Backend ``name`` built exactly as ``grf train --backend name`` would build it from ``cfg``:
-    the config's kernel, row kernel, device and determinism where they run on ``name`` (the
-    config's own backend gets them all; the other side keeps what it supports, else its default),
-    checked as train checks them, so a wrong kernel or device is refused or compared, not skipped."""
-    from backends.kernels import valid_names
-
-    from .config import replace
-    from .configure import validate
-    from .runtime import make_backend
-
-    if name == cfg.backend.name:
-        side = cfg
-    else:
-        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in valid_names(name) else "default"
-        side = replace(cfg, backend={"name": name, "hstu_kernel": kernel, "row_kernel": "default", "device": "",
-                                     "compile": False, "cpu_fused": cfg.backend.cpu_fused or name != "torch"})
-    validate(side, source=f"--backends {name}")
-    return make_backend(side)
-
-
 def cmd_crosscheck(args) -> int:
     from . import model
     from .config import replace
-    from .crosscheck import crosscheck, random_batch
+    from .crosscheck import backend_as_trained, crosscheck, random_batch
     from .retrieval.task import load_sequences, resolve
 
     cfg = _load(args)
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     if len(names) != 2:
         raise SystemExit("grf crosscheck: --backends takes two names, e.g. --backends jax,torch")
-    backends = [_crosscheck_side(cfg, n) for n in names]
+    backends = [backend_as_trained(cfg, n) for n in names]
     if cfg.model.num_items == 0 or cfg.data.dataset != "synthetic":
         from .data import batching, split
 

@@ -12,9 +12,13 @@ import json
 
 import numpy as np
 
+from backends.kernels import valid_names
+
 from . import model
 from .batch import HSTUBatch
-from .config import Config
+from .config import Config, replace
+from .configure import validate
+from .runtime import make_backend
 from .tree import tree_items
 
 FWD_TOL = 1e-6
@@ -136,3 +140,16 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
                       negatives=negatives_for(cfg, popularity))
 
 
+def backend_as_trained(cfg: Config, name: str):
+    """Backend ``name`` built exactly as ``grf train --backend name`` would build it from ``cfg``:
+    the config's kernel, row kernel, device and determinism where they run on ``name`` (the
+    config's own backend gets them all; the other side keeps what it supports, else its default),
+    checked as train checks them, so a wrong kernel or device is refused or compared, not skipped."""
+    if name == cfg.backend.name:
+        side = cfg
+    else:
+        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in valid_names(name) else "default"
+        side = replace(cfg, backend={"name": name, "hstu_kernel": kernel, "row_kernel": "default", "device": "",
+                                     "compile": False, "cpu_fused": cfg.backend.cpu_fused or name != "torch"})
+    validate(side, source=f"--backends {name}")
+    return make_backend(side)
