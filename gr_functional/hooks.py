@@ -423,6 +423,11 @@ def named_hooks(names) -> list[Hook]:
     return [HOOKS.get(name)() for name in names]
 
 
+# the project's own error classes: a hook raising one of them means it (TrainingAborted: stop here)
+_PROJECT_ERRORS = tuple(v for v in vars(errors).values()
+                        if isinstance(v, type) and issubclass(v, Exception) and v.__module__ == errors.__name__)
+
+
 class UserHook(Hook):
     """A hook of the user's (``train.hooks``, ``grf.fit(hooks=...)``) as the loop calls it: an
     exception or ``sys.exit`` inside it stops the run with ``PluginError`` naming the hook, the
@@ -435,8 +440,7 @@ class UserHook(Hook):
     def _call(self, method: str, run: Run, *args) -> None:
         try:
             getattr(self.hook, method)(run, *args)
-        except tuple(v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)
-                     and v.__module__ == errors.__name__):
+        except _PROJECT_ERRORS:
             raise
         except (Exception, SystemExit) as exc:
             what = f"sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"

@@ -34,6 +34,7 @@ for fp16 ``loss_scale`` (the scale this step used).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 from typing import Callable
 
@@ -47,8 +48,9 @@ from .embedding import rowopt
 from .errors import ConfigError
 from .embedding.lookup import Lookup, looked_up_rows
 from .optim import learning_rate
-from .optimizers import GradientTransformation, apply_updates
+from .optimizers import GradientTransformation, all_finite, apply_updates, update_loss_scale
 from .optimizers import build as build_optimizer
+from .optimizers import init_loss_scale as _fresh_loss_scale
 from .tree import tree_items, tree_map
 
 PRECISIONS = choices(Precision)
@@ -68,8 +70,14 @@ def row_sparse(cfg: Config) -> bool:
 def dense_optimizer(B, cfg: Config) -> GradientTransformation:
     """The dense parameters' optimizer: ``optim.name`` from the registry (gr_functional/optimizers),
     its learning rate the ``optim.schedule``. Its state is a dict with ``"step"`` (the update count,
-    which the row-sparse table's schedule reads too) and its moments (AdamW: ``"mu"``, ``"nu"``)."""
-    return build_optimizer(B, cfg.optim)
+    which the row-sparse table's schedule reads too) and its moments (AdamW: ``"mu"``, ``"nu"``).
+    Built once per (backend, ``[optim]``): ``apply_update`` asks for it at every step."""
+    return _built_optimizer(B, cfg.optim)
+
+
+@functools.lru_cache(maxsize=16)
+def _built_optimizer(B, optim) -> GradientTransformation:
+    return build_optimizer(B, optim)
 
 
 def dense_state(opt_state: dict) -> dict:
@@ -111,8 +119,8 @@ def _dense(tree: dict) -> dict:
 
 
 def init_loss_scale(B, cfg: Config) -> dict:
-    f32 = B.xp.float32
-    return {"scale": B.asarray(float(cfg.train.loss_scale), dtype=f32), "good_steps": B.asarray(0.0, dtype=f32)}
+    """fp16's dynamic loss scaler at ``train.loss_scale`` (``optimizers.loss_scale``)."""
+    return _fresh_loss_scale(B, cfg.train.loss_scale)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -210,16 +218,6 @@ def finish(B, acc):
     return a_loss / denom, a_tok, tree_map(lambda g: g / denom, a_grads)
 
 
-def all_finite(B, tree):
-    """0-d bool: every element of every leaf is finite."""
-    xp = B.xp
-    ok = None
-    for _, leaf in tree_items(tree):
-        leaf_ok = xp.all(xp.isfinite(leaf))
-        ok = leaf_ok if ok is None else xp.logical_and(ok, leaf_ok)
-    return B.asarray(True) if ok is None else ok
-
-
 def update_health(B, params: dict, new_params: dict, new_adam: dict):
     """``(update_finite, update_ratio)`` of a proposed update, both 0-d: every new parameter and
     optimizer-state element is finite, and ``||new - old|| / ||old||`` over all parameters
@@ -307,15 +305,11 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
     metrics = {"loss": loss, "finite": ok, "loss_finite": loss_ok, "grads_finite": grads_ok,
                "update_finite": update_ok, "update_ratio": ratio, "tokens": tokens}
     if "loss_scale" in opt_state:
-        scaler = opt_state["loss_scale"]
-        scale, good = scaler["scale"], scaler["good_steps"] + 1.0
-        grow = good >= float(cfg.train.loss_scale_window)
         # torch.amp.GradScaler's rule: halve on overflow, double after a window of clean steps;
         # a step rejected for its update (not an overflow) leaves the scale alone
-        new_scale = xp.where(grads_ok, xp.where(xp.logical_and(ok, grow), scale * 2.0, scale), scale * 0.5)
-        new_good = xp.where(xp.logical_and(ok, xp.logical_not(grow)), good, xp.zeros_like(good))
-        state["loss_scale"] = {"scale": new_scale, "good_steps": new_good}
-        metrics["loss_scale"] = scale
+        state["loss_scale"] = update_loss_scale(B, opt_state["loss_scale"], grads_ok, applied=ok,
+                                                window=cfg.train.loss_scale_window)
+        metrics["loss_scale"] = opt_state["loss_scale"]["scale"]
     return params, state, metrics
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from .reliability.common import ROOT, metrics, sets, subprocess_env
+from .reliability.test_resume import _run_until_fault
 
 
 PLUGIN = ROOT / "experiments" / "toy_regression_task.py"
@@ -47,21 +48,8 @@ def test_a_plugin_task_trains_with_grf_train(toy_run):
 
 
 def test_a_plugin_task_resumes_bitwise_after_sigkill(toy_run, tmp_path):
-    import os
-    import signal
-    import time
-
     out = tmp_path / "run"
-    env = subprocess_env(GRF_FAULT="after-step@7")
-    proc = subprocess.Popen([sys.executable, "-m", "gr_functional.cli", *_train_command(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        if line.startswith("GRF_FAULT paused") or time.monotonic() > deadline:
-            break
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stdout.close()
+    _run_until_fault(out, "after-step@7", command=[sys.executable, "-m", "gr_functional.cli", *_train_command(out)])
     again = _grf(*_train_command(out))
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stderr

@@ -20,6 +20,7 @@ from gr_functional.optim import adamw_init, adamw_update, learning_rate
 from gr_functional.tree import tree_items, tree_map
 
 from .common import FWD_TOL, rel_err
+from .test_optim import _optax_schedule
 
 STEPS = 10
 BASE = OptimConfig(lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.05, momentum=0.9,
@@ -166,14 +167,6 @@ def test_optimizer_matches_float64_oracle(backend, case):
         for k, v in _flat(B, got).items():
             assert v.dtype == np.float32
             assert rel_err(v, want[k]) <= FWD_TOL, (case, schedule, k, rel_err(v, want[k]))
-
-
-def _optax_schedule(cfg: OptimConfig):
-    W, D, lr, end = cfg.warmup_steps, cfg.decay_steps, cfg.lr, cfg.lr * cfg.end_lr_factor
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, lr, W, W + D, end)
-    after = optax.constant_schedule(lr) if cfg.schedule == "constant" else optax.linear_schedule(lr, end, D)
-    return optax.join_schedules([optax.linear_schedule(0.0, lr, W), after], [W]) if W else after
 
 
 def _optax_tx(case: str, cfg: OptimConfig):

@@ -20,10 +20,11 @@ from .common import ROOT, file_digests, grf_command, metrics, run_grf, subproces
 CKPT = ["train.checkpoint_every=3", "train.keep_checkpoints=0"]
 
 
-def _run_until_fault(out, fault: str, *extra_sets: str, timeout=300) -> str:
-    """Start ``grf train`` with ``GRF_FAULT=fault``; when it reports the pause, SIGKILL it."""
+def _run_until_fault(out, fault: str, *extra_sets: str, timeout=300, command: list | None = None) -> str:
+    """Start ``grf train`` with ``GRF_FAULT=fault`` (the tiny quickstart run, or ``command``); when
+    it reports the pause, SIGKILL it."""
     err = open(out.parent / f"{out.name}-{fault}.stderr", "w+")
-    proc = subprocess.Popen(grf_command(out, *CKPT, *extra_sets), cwd=ROOT, env=subprocess_env(GRF_FAULT=fault),
+    proc = subprocess.Popen(command or grf_command(out, *CKPT, *extra_sets), cwd=ROOT, env=subprocess_env(GRF_FAULT=fault),
                             stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + timeout
     try:
