@@ -6,37 +6,9 @@ from __future__ import annotations
 
 import importlib
 
-from gr_functional.registry import Registry
-
-from .base import Backend, BackendUnavailable
-
-# name -> (module, class): the module is imported when the backend is first asked for
-BACKENDS: Registry[tuple[str, str]] = Registry(
-    "backend", config_key="backend.name",
-    how="Register one with backends.register_backend(NAME, module, class_name) in a --plugin module")
-
-
-def register_backend(name: str, module: str, class_name: str, *, replace: bool = False) -> None:
-    """Make ``get_backend(name)`` build ``module.class_name`` (a ``Backend`` subclass)."""
-    BACKENDS.add(name, (module, class_name), replace=replace)
-
-
-register_backend("jax", "backends.jax", "JaxBackend")
-register_backend("torch", "backends.torch", "TorchBackend")
-register_backend("npu", "backends.npu", "NpuBackend")
-
-
-def backend_names() -> list[str]:
-    return list(BACKENDS.names())
-
-
-def backend_class(name: str) -> type:
-    """The Backend subclass registered as ``name``. Imports its module, which imports no array
-    library (they load when a backend is created)."""
-    if name not in BACKENDS:
-        raise BackendUnavailable(f"unknown backend {name!r}; backends: {', '.join(BACKENDS.names())}")
-    module_name, cls_name = BACKENDS.get(name)
-    return getattr(importlib.import_module(module_name), cls_name)
+from . import kernels, loss_ops, ops, row_kernels  # noqa: F401 - they register the shipped implementations
+from .base import Backend
+from .catalog import BACKENDS, BackendUnavailable, backend_class, backend_names, register_backend
 
 
 def backend_status(name: str) -> tuple[bool, str]:
@@ -66,4 +38,4 @@ def get_backend(name: str, **options) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "BackendUnavailable", "backend_class", "backend_names", "backend_status",
-           "get_backend", "register_backend"]
+           "get_backend", "ops", "register_backend"]

@@ -21,6 +21,8 @@ import numpy as np
 from gr_functional.jagged import Jagged
 from gr_functional.tree import tree_map
 
+from . import ops
+from .catalog import BackendUnavailable
 from .kernels import NO_BIAS, AttentionBias
 
 TIME_BUCKET_DIVISOR = 0.301  # generative-recommenders: floor(log(max(|dt|, 1)) / 0.301)
@@ -51,31 +53,28 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _MIXED_CLASSES: dict[type, type] = {}
 
 
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here; the message says why and how to fix it."""
-
-
 class Backend:
     """Base class: reference kernel ops on ``self.xp``; subclasses supply the transforms.
 
     Subclasses must set ``xp`` and implement ``asarray``, ``to_numpy``, ``value_and_grad``,
-    ``jit`` and ``stop_gradient``. They may override any name in ``KERNEL_OPS``.
+    ``jit`` and ``stop_gradient``. They may override any name in ``KERNEL_OPS`` with their own
+    formulation of the same math. The fused ops (``hstu_attention``, ``stu_attention``,
+    ``sampled_logits``, ``shared_logsumexp``, ``row_update``) run the implementation the op
+    registry (backends/ops.py) selected for each when the backend was built (``use_ops``).
     """
 
     name = "base"
     KERNEL_OPS = ("silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
-                  "sampled_logits", "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention",
-                  "hstu_norm_mul", "stu_attention", "add_head_bias")
+                  "sampled_logits_reference", "sampled_logits_16bit_reference", "shared_logsumexp_reference",
+                  "relative_bias", "hstu_uvqk", "hstu_norm_mul", "add_head_bias")
     # sampled_logits scores all items with one matmul when the catalogue is at most this many
     # times the number of sampled ids per row (a BLAS GEMM beats gathering T*R rows: ~2.5x in a one-off
     # CPU timing at ML-1M shapes, T=21k, R=128, N=3953, not yet in benchmarks/); beyond it, it gathers
     # only the sampled rows.
     DENSE_LOGITS_MAX_RATIO = 64
-    # The attention kernel (backends/kernels.py registry) that backend.hstu_kernel = "default"
-    # selects here.
-    default_hstu_kernel = "jagged"
-    # row-sparse update kernel (backends/row_kernels.py) that backend.row_kernel="default" means
-    default_row_kernel = "reference"
+    # What ``ops.<op> = "default"`` selects here (backends/ops.py), per op
+    default_ops = {"attention": "jagged", "ranking_attention": "reference", "sampled_logits": "reference",
+                   "shared_logsumexp": "reference", "row_update": "reference"}
     # backend.compile: the training loss runs through ``compiled`` (torch.compile on torch)
     compile = False
     # The argument type of hstu_attention's bias, reachable from model code as B.AttentionBias
@@ -86,17 +85,15 @@ class Backend:
     array_device = None
 
     def __init__(self, device: str | None = None, dtype: str = "float32"):
-        """Subclasses set up their library and device, then call ``use_hstu_kernel(hstu_kernel)``
-        last (kernel factories may read the device)."""
+        """Subclasses set up their library and device, then call ``use_ops(ops)`` last
+        (implementation factories may read the device)."""
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         self.device = device
         self.dtype_name = dtype
         self._thresholds_cache: dict[int, Any] = {}
-        self.hstu_kernel: str | None = None   # the resolved kernel name (config.toml keeps "default")
-        self._attention = None                # its fn(B, q, k, v, layout, norm_len, bias)
-        self.row_kernel = "reference"         # the resolved row kernel (use_row_kernel)
-        self._row_update = None               # its fn, None for the reference
+        self.op_names: dict[str, str] = {}    # op -> the resolved implementation (config.toml keeps "default")
+        self._op_fns: dict[str, Callable] = {}  # op -> its fn(B, ...)
 
     def __repr__(self):
         return f"{type(self).__name__}(device={self.device!r}, dtype={self.dtype_name!r})"
@@ -107,32 +104,41 @@ class Backend:
         kernels declare the devices they run on."""
         return (self.device or "cpu").split(":")[0]
 
-    def use_hstu_kernel(self, kernel: str = "default") -> None:
-        """Select the attention kernel ``kernel`` of the registry (backends/kernels.py; "default":
-        ``default_hstu_kernel``). ConfigError naming the option when the kernel does not run this
-        backend, dtype or device; BackendUnavailable with the reason when it cannot run here."""
-        from . import kernels
+    def use_ops(self, choices: dict[str, str] | None = None) -> None:
+        """Select each op's implementation (backends/ops.py): ``choices`` maps op names to
+        implementation names; ops it leaves out, and "default", take ``default_ops``. ConfigError
+        naming the option when an implementation does not run this backend, dtype or device;
+        BackendUnavailable with the reason when it cannot run here."""
+        choices = dict(choices or {})
+        unknown = [op for op in choices if op not in ops.OPS]
+        if unknown:
+            raise ValueError(f"unknown op {unknown[0]!r}; ops: {', '.join(ops.OPS)}")
+        for op in ops.OPS:
+            impl, fn = ops.build(self, op, choices.get(op, "default"))
+            self.op_names[op], self._op_fns[op] = impl.name, fn
 
-        spec, fn = kernels.build(self, kernel)
-        self.hstu_kernel, self._attention = spec.name, fn
+    def with_ops(self, **choices: str) -> "Backend":
+        """A shallow copy running other implementations of the ops named (benchmarks compare
+        kernels on one backend); the others keep theirs; ``self`` is unchanged."""
+        view = self._view(op_names=dict(self.op_names), _op_fns=dict(self._op_fns))
+        view.use_ops({**self.op_names, **choices})
+        return view
 
-    def use_row_kernel(self, kernel: str = "default") -> None:
-        """Select the row-sparse update kernel ``kernel`` (backends/row_kernels.py; "default":
-        ``default_row_kernel``). ConfigError when it does not run on this backend,
-        BackendUnavailable with the reason when its library cannot load here."""
-        from . import row_kernels
+    @property
+    def hstu_kernel(self) -> str:
+        """The attention kernel in use (``ops.attention`` resolved)."""
+        return self.op_names["attention"]
 
-        self.row_kernel, self._row_update = row_kernels.build(self, kernel)
+    @property
+    def row_kernel(self) -> str:
+        """The row-sparse update kernel in use (``ops.row_update`` resolved)."""
+        return self.op_names["row_update"]
 
     def row_update(self, optimizer: str, values, grads, state_rows: dict, touched, lr, cfg):
         """``rowopt.row_update`` through the selected row kernel: ``(new_values[U, D],
         new_state_rows)`` of the gathered rows ``values[U, D]`` with summed gradients
         ``grads[U, D]``; untouched slots (``touched[U]`` false) unchanged."""
-        from gr_functional.embedding import rowopt
-
-        if self._row_update is None:
-            return rowopt.reference_row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
-        return self._row_update(self, optimizer, values, grads, state_rows, touched, lr, cfg)
+        return self._op_fns["row_update"](self, optimizer, values, grads, state_rows, touched, lr, cfg)
 
     # backend.attention_recompute: autograd keeps only the attention's inputs; backward recomputes
     # its score tiles (with_attention_recompute)
@@ -169,13 +175,6 @@ class Backend:
         backward runs ``f`` again (torch.utils.checkpoint, jax.checkpoint). Reference: ``f``
         itself (the Array API has no autodiff)."""
         return f
-
-    def with_hstu_kernel(self, kernel: str) -> "Backend":
-        """A shallow copy of this backend running attention kernel ``kernel`` (benchmarks compare
-        kernels on one backend); ``self`` is unchanged."""
-        view = self._view()
-        view.use_hstu_kernel(kernel)
-        return view
 
     # ------------------------------------------------------------------ transforms (abstract)
     xp: Any = None
@@ -255,10 +254,8 @@ class Backend:
             return self
         if precision not in COMPUTE_DTYPES:
             raise ValueError(f"precision must be one of {', '.join(['fp32', *COMPUTE_DTYPES])}, got {precision!r}")
-        if self.hstu_kernel is not None:  # the kernel must run this precision (refused by name)
-            from .kernels import check_kernel
-
-            check_kernel(self.hstu_kernel, self.name, precision=precision)
+        for op, name in self.op_names.items():  # each implementation must run this precision (refused by name)
+            ops.check(op, name, self.name, precision=precision)
         views = self.__dict__.setdefault("_precision_views", {})
         if precision not in views:
             cls = type(self)
@@ -375,6 +372,23 @@ class Backend:
         return xp.reshape(xp.matmul(onehot, flat), (num_segments,) + tuple(data.shape[1:]))
 
     def sampled_logits(self, user, items, ids):
+        """``sampled_logits_reference``'s contract, through the implementation ``ops.sampled_logits``
+        selected."""
+        return self._op_fns["sampled_logits"](self, user, items, ids, None, None)
+
+    def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
+        """``sampled_logits_16bit_reference``'s contract, through the implementation
+        ``ops.sampled_logits`` selected."""
+        return self._op_fns["sampled_logits"](self, user, items, ids, scale, precision)
+
+    def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
+                         masked_logit: float):
+        """``shared_logsumexp_reference``'s contract, through the implementation
+        ``ops.shared_logsumexp`` selected."""
+        return self._op_fns["shared_logsumexp"](self, user, neg_items, neg_ids, targets, pos, neg_bias, scale,
+                                                 masked_logit)
+
+    def sampled_logits_reference(self, user, items, ids):
         """``out[t, r] = <user[t], items[ids[t, r]]>``: user[T, D], items[N, D], ids[T, R] int32 -> [T, R].
 
         Two exact formulations chosen by static shapes (not by backend): a dense ``user @ items^T``
@@ -396,7 +410,7 @@ class Backend:
         low = xp.astype(self.cast(x / scale, "float16" if precision == "fp16" else "bfloat16"), x.dtype) * scale
         return x + self.stop_gradient(low - x)
 
-    def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
+    def sampled_logits_16bit_reference(self, user, items, ids, scale, precision: str):
         """``out[t, r] = <user[t], q(items[ids[t, r]])>`` where ``q`` is ``quantize_16bit`` with the
         position's scale ``scale[t]`` (> 0; losses.segment_scales gives each jagged segment one):
         user[T, D], items[N, D], ids[T, R] int32, scale[T] -> [T, R]. The negatives a position
@@ -409,8 +423,8 @@ class Backend:
         rows = self.quantize_16bit(rows, xp.reshape(scale, (-1, 1, 1)), precision)
         return xp.sum(rows * xp.reshape(user, (user.shape[0], 1, -1)), axis=-1)
 
-    def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
-                         masked_logit: float):
+    def shared_logsumexp_reference(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
+                                   masked_logit: float):
         """``lse[T]``: the logsumexp of each position's ``[pos_t, scale <user_t, neg_items_r> -
         neg_bias_r for r < R]``, a negative replaced by ``masked_logit`` where ``neg_ids[r]``
         equals ``targets[t]`` (an accidental hit) or 0 (padding). The shared-negatives softmax
@@ -520,22 +534,21 @@ class Backend:
         ``out_i = sum_{j <= i, same sequence} SiLU(q_i . k_j + rab[i, j]) / n * v_j``, with
         n = ``norm_len`` a fixed normaliser (no softmax, no 1/sqrt(d)) and rab from
         ``relative_bias(layout, n, bias)`` (``bias``: ``AttentionBias``, the bias parameters).
-        Runs the kernel selected by ``use_hstu_kernel`` (backends/kernels.py: "jagged" runs
+        Runs the kernel ``ops.attention`` selected (backends/kernels.py: "jagged" runs
         ``hstu_attention_tiled`` where the tile plan pays off, "tiled" whenever there is a plan,
         "reference" always ``hstu_attention_padded``, the oracle; fused kernels their own code).
         """
-        if self._attention is None:  # a subclass that never called use_hstu_kernel
-            self.use_hstu_kernel()
-        recomputes = getattr(self._attention, "recomputes", None)  # a kernel that already does (kernels.py)
+        attention = self._op_fns["attention"]
+        recomputes = getattr(attention, "recomputes", None)  # a kernel that already does (kernels.py)
         if not self.attention_recompute or (recomputes is not None and recomputes(self, q, layout)):
-            return self._attention(self, q, k, v, layout, norm_len, bias)
+            return attention(self, q, k, v, layout, norm_len, bias)
 
         memo = bias.memo if self.checkpoint_keeps_memo else None
 
         def kernel(q, k, v, pos_w, ts_w):
             # without checkpoint_keeps_memo (JAX) each layer and its backward rebuild the index arrays
-            return self._attention(self, q, k, v, layout, norm_len,
-                                   dataclasses.replace(bias, pos_w=pos_w, ts_w=ts_w, memo=memo))
+            return attention(self, q, k, v, layout, norm_len,
+                             dataclasses.replace(bias, pos_w=pos_w, ts_w=ts_w, memo=memo))
 
         return self.checkpoint(kernel)(q, k, v, bias.pos_w, bias.ts_w)
 
@@ -559,6 +572,11 @@ class Backend:
         return self._padded_attention(q, k, v, layout, causal, norm_len, rab=self.relative_bias(layout, norm_len, bias))
 
     def stu_attention(self, q, k, v, layout: Jagged, num_targets, norm_len, alpha: float):
+        """Target-aware HSTU attention (``stu_attention_padded``'s contract) through the kernel
+        ``ops.ranking_attention`` selected."""
+        return self._op_fns["ranking_attention"](self, q, k, v, layout, num_targets, norm_len, alpha)
+
+    def stu_attention_padded(self, q, k, v, layout: Jagged, num_targets, norm_len, alpha: float):
         """Target-aware HSTU attention of generative-recommenders' dlrm_v3 ranking model (its
         PyTorch kernel ``pytorch_hstu_mha`` with ``causal=True`` and ``num_targets``), padded
         reference. q[T, H, dqk], k[T, H, dqk], v[T, H, dv], ``num_targets[B_cap]`` int32 (the

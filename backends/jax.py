@@ -45,13 +45,12 @@ class JaxBackend(Backend):
     name = "jax"
     static_shapes = True    # jit compiles one program per input shape
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
-                 row_kernel: str = "default"):
-        """row_kernel: "default" = "reference" (the only row-sparse update kernel on jax).
-        hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on jax:
-        "default" (= "jagged": block-sparse tiles of ``layout.tiles`` where they pay off,
-        ``Backend.tiles_pay_off``; else padded), "tiled" (the tiles whenever there is a plan),
-        "reference" (padded dense, the oracle), or a registered kernel of your own."""
+    def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None):
+        """ops: ``{op: implementation}`` of the op registry (backends/ops.py; omitted ops take
+        ``default_ops``). Attention on jax: "default" (= "jagged": block-sparse tiles of
+        ``layout.tiles`` where they pay off, ``Backend.tiles_pay_off``; else padded), "tiled" (the
+        tiles whenever there is a plan), "reference" (padded dense, the oracle), or a registered
+        kernel of your own; every other op: "reference"."""
         super().__init__(device, dtype)
         import jax
         import jax.numpy as jnp
@@ -64,8 +63,7 @@ class JaxBackend(Backend):
         self._device = jax.devices(device)[0] if device else None
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if (self._device or jax.devices()[0]).platform == "cpu" else 1.0
-        self.use_hstu_kernel(hstu_kernel)
-        self.use_row_kernel(row_kernel)
+        self.use_ops(ops)
 
     # XLA CPU's concurrency-optimized scheduler moves a recomputed attention early, keeping
     # what recompute means to drop: without it the recomputation saves 2.1-2.3x of the temp
@@ -184,8 +182,8 @@ class JaxBackend(Backend):
             return super().batched_matmul(a, b, transpose_b)
         return _copied_transposes_matmul(self._jax, transpose_b)(a, b)
 
-    def sampled_logits(self, user, items, ids):
-        """The reference's two formulations (``Backend.sampled_logits``: dense ``user @ items^T``
+    def sampled_logits_reference(self, user, items, ids):
+        """The reference's two formulations (``Backend.sampled_logits_reference``: dense ``user @ items^T``
         when ``N <= DENSE_LOGITS_MAX_RATIO * R``, else a row gather), one block of
         ``SAMPLED_LOGITS_CHUNK_ROWS`` rows at a time with a custom gradient
         (``_chunked_sampled_logits``), as the torch backend does. Why: differentiated whole, the

@@ -11,23 +11,23 @@ from .torch import TorchBackend
 
 
 class NpuBackend(TorchBackend):
-    """``hstu_kernel`` (backends/kernels.py): "default" = "auto" (RecSDK
+    """``ops.attention`` (backends/kernels.py): "default" = "auto" (RecSDK
     ``torch.ops.mxrec.hstu_jagged`` when loaded, else the portable Triton kernel under
     triton-ascend), "mxrec", "triton", or "reference" (the plain torch reference attention on
-    the NPU: slow, an explicit opt-in for debugging). ``row_kernel`` (backends/row_kernels.py):
+    the NPU: slow, an explicit opt-in for debugging). ``ops.row_update`` (backends/row_kernels.py):
     "default" = "auto" (fbgemm-ascend's TBE row-wise Adagrad when it imports), "fbgemm",
-    "reference"."""
+    "reference". The loss's ops: "reference" (torch's row-chunked formulations on the NPU)."""
 
     name = "npu"
-    default_hstu_kernel = "auto"
-    # fbgemm-ascend's fused TBE row-wise Adagrad when it imports, else torch ops on the NPU
-    default_row_kernel = "auto"
+    # auto: mxrec or triton; row_update auto: fbgemm-ascend's fused TBE row-wise Adagrad when it
+    # imports, else torch ops on the NPU
+    default_ops = {**TorchBackend.default_ops, "attention": "auto", "row_update": "auto",
+                   "sampled_logits": "reference", "shared_logsumexp": "reference"}
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
-                 row_kernel: str = "default"):
+    def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None):
         import npu_ops
 
         ok, reason = npu_ops.torch_npu_status()
         if not ok:
             raise BackendUnavailable(f"backend 'npu' is unavailable: {reason}")
-        TorchBackend.__init__(self, device or "npu", dtype, hstu_kernel=hstu_kernel, row_kernel=row_kernel)
+        TorchBackend.__init__(self, device or "npu", dtype, ops=ops)

@@ -1,11 +1,12 @@
-"""Row-sparse update kernels, selected by ``backend.row_kernel`` (README "Sparse embeddings").
+"""Row-sparse update kernels: op "row_update" of the op registry (backends/ops.py), selected by
+``ops.row_update`` (README "Sparse embeddings").
 
 A row kernel computes ``rowopt.row_update``: the new values and optimizer state of the U rows a
 step looked up (``B.row_update(name, values[U, D], grads[U, D], state_rows, touched[U], lr, cfg)``).
-Each declares the backends and optimizers it supports; a config asking for anything else is
-refused by name when it is checked (``problem``), and a documented per-call limit (dtype,
-width) raises ``UnsupportedOnBackend`` naming it, never a silent fallback (except under "auto",
-whose contract is to fall back).
+Each declares the backends and embedding optimizers it supports; a config asking for anything else
+is refused by name when it is checked, and a documented per-call limit (dtype, width) raises
+``UnsupportedOnBackend`` naming it, never a silent fallback (except under "auto", whose contract is
+to fall back).
 
 - ``reference``: the formulas of embedding/rowopt.py on ``B.xp``; every backend and optimizer.
 - ``fbgemm``: fbgemm's fused TBE backward (npu_ops/fbgemm_tbe.py): fbgemm-ascend on the NPU,
@@ -13,100 +14,75 @@ whose contract is to fall back).
   with the table's step count, lazy_adam with each row's.
 - ``auto`` (the npu default): ``fbgemm`` for the calls it supports when fbgemm-ascend imports,
   else ``reference`` (torch ops on NPU tensors).
-- ``default``: the backend's own choice (``Backend.default_row_kernel``: reference on torch and
-  jax, auto on npu).
+- ``default``: the backend's own choice (``Backend.default_ops["row_update"]``: reference on torch
+  and jax, auto on npu).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
-@dataclasses.dataclass(frozen=True)
-class RowKernel:
-    name: str
-    backends: tuple[str, ...]
-    optimizers: tuple[str, ...]
+from gr_functional.embedding import rowopt
+from npu_ops import UnsupportedOnBackend, fbgemm_tbe
 
+from . import ops
 
-_KERNELS = {
-    "reference": RowKernel("reference", ("jax", "torch", "npu"), ("lazy_adam", "rowwise_adagrad")),
-    "fbgemm": RowKernel("fbgemm", ("torch", "npu"), ("rowwise_adagrad",)),
-    "auto": RowKernel("auto", ("npu",), ("lazy_adam", "rowwise_adagrad")),
-}
-ROW_KERNELS = ("default", *_KERNELS)  # config.RowKernelName lists the same names
 _WHY_NOT = {"lazy_adam": "fbgemm's Adam bias-corrects with the table's step count, lazy_adam with each row's "
                          "own (README \"Sparse embeddings\")"}
 
 
-def resolve(name: str, backend: str) -> str:
-    """``name`` with "default" replaced by ``backend``'s own choice."""
-    if name != "default":
-        return name
-    from . import backend_class
+def _optimizers(name: str, supported: tuple[str, ...], *, width_limits: bool = False):
+    """``Impl.check`` of a row kernel serving the embedding optimizers ``supported`` (AdamW tables
+    run no row kernel: not checked); ``width_limits``: fbgemm's documented limits on the table width
+    and weight decay, checked before a run starts rather than at its first update."""
 
-    return backend_class(backend).default_row_kernel
+    def check(cfg) -> tuple[str, str] | None:
+        optimizer = cfg.embedding.optimizer
+        if optimizer == "adamw":
+            return None
+        if optimizer not in supported:
+            why = _WHY_NOT.get(optimizer, "")
+            return (f"embedding.optimizer={optimizer!r}",
+                    f"it supports {', '.join(supported)}{': ' + why if why else ''}; use ops.row_update='reference'")
+        if width_limits:
+            table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
+            reason = fbgemm_tbe.problem("npu" if cfg.backend.name == "npu" else "cpu", "float32", table_dim,
+                                        cfg.optim.weight_decay)
+            if reason:
+                return "the table", f"{reason}; use ops.row_update='reference'"
+        return None
 
-
-def problem(name: str, backend: str, optimizer: str | None = None, dim: int | None = None,
-            weight_decay: float = 0.0) -> str | None:
-    """Why ``backend.row_kernel = name`` cannot serve ``optimizer`` on ``backend`` (None: it can;
-    ``optimizer`` None or "adamw" is not checked: no row kernel runs then). ``dim`` (the table
-    width) and ``weight_decay``: the explicit ``fbgemm`` kernel's documented limits, checked here
-    so that a run is refused before it starts rather than at its first update."""
-    kernel = _KERNELS.get(resolve(name, backend))
-    if kernel is None:
-        return f"unknown row kernel; one of {', '.join(repr(k) for k in ROW_KERNELS)}"
-    if backend not in kernel.backends:
-        valid = [k for k, spec in _KERNELS.items() if backend in spec.backends]
-        return (f"row kernel {kernel.name!r} does not run on the {backend} backend (runs on "
-                f"{', '.join(kernel.backends)}); valid for {backend}: 'default', {', '.join(map(repr, valid))}")
-    if optimizer and optimizer != "adamw" and optimizer not in kernel.optimizers:
-        why = _WHY_NOT.get(optimizer, "")
-        return (f"row kernel {kernel.name!r} supports embedding.optimizer in {', '.join(kernel.optimizers)}, "
-                f"not {optimizer!r}{': ' + why if why else ''}; use backend.row_kernel='reference'")
-    if kernel.name == "fbgemm" and optimizer == "rowwise_adagrad" and dim is not None:
-        from npu_ops.fbgemm_tbe import problem as limit  # no vendor import
-
-        reason = limit("npu" if backend == "npu" else "cpu", "float32", dim, weight_decay)
-        if reason:
-            return f"row kernel 'fbgemm': {reason}; use backend.row_kernel='reference'"
-    return None
+    return check
 
 
-def build(B, name: str) -> tuple[str, Callable | None]:
-    """``(resolved name, fn)`` for backend ``B``; ``fn(B, optimizer, values, grads, state_rows,
-    touched, lr, cfg)`` or None for the reference. BackendUnavailable when ``fbgemm`` was asked
-    for and cannot load here."""
-    from npu_ops import UnsupportedOnBackend
+ops.register("row_update", "reference", rowopt.reference_row_update, backends=("jax", "torch", "npu"),
+             check=_optimizers("reference", ("lazy_adam", "rowwise_adagrad")),
+             doc="the formulas of embedding/rowopt.py on B.xp: the oracle")
 
-    from .base import BackendUnavailable
 
-    resolved = resolve(name, B.name)
-    reason = problem(resolved, B.name)
-    if reason:
-        from gr_functional.errors import ConfigError
+def _fbgemm_factory(fallback: bool) -> Callable:
+    def factory(B):
+        try:
+            adapter = fbgemm_tbe.FbgemmRowwiseAdagrad(fbgemm_tbe.load_api(B.device_kind))
+        except UnsupportedOnBackend:
+            if fallback:
+                return rowopt.reference_row_update
+            raise
+        return fbgemm_update(adapter, fallback=fallback)
 
-        raise ConfigError(f"backend.row_kernel={name!r}: {reason}")
-    if resolved == "reference":
-        return resolved, None
-    from npu_ops import fbgemm_tbe
+    return factory
 
-    try:
-        adapter = fbgemm_tbe.FbgemmRowwiseAdagrad(fbgemm_tbe.load_api(B.device_kind))
-    except UnsupportedOnBackend as exc:
-        if resolved == "auto":
-            return resolved, None
-        raise BackendUnavailable(f"backend {B.name!r}: {exc}. Choose backend.row_kernel='reference'") from exc
-    return resolved, fbgemm_update(adapter, fallback=resolved == "auto")
+
+ops.register("row_update", "fbgemm", factory=_fbgemm_factory(False), backends=("torch", "npu"),
+             check=_optimizers("fbgemm", ("rowwise_adagrad",), width_limits=True),
+             doc="fbgemm's fused TBE row-wise Adagrad (fbgemm-ascend, fbgemm_gpu, fbgemm-gpu-cpu)")
+ops.register("row_update", "auto", factory=_fbgemm_factory(True), backends=("npu",),
+             check=_optimizers("auto", ("lazy_adam", "rowwise_adagrad")),
+             doc="fbgemm for the calls it supports when fbgemm-ascend imports, else reference")
 
 
 def fbgemm_update(adapter, fallback: bool) -> Callable:
     """The row-kernel fn of an ``FbgemmRowwiseAdagrad``; ``fallback``: calls it cannot serve (an
     optimizer or a documented limit) take the reference instead of raising."""
-    from npu_ops import fbgemm_tbe
-    from npu_ops import UnsupportedOnBackend
-
-    from gr_functional.embedding import rowopt
 
     def update(B, optimizer, values, grads, state_rows, touched, lr, cfg):
         reason = (None if optimizer == "rowwise_adagrad" else f"optimizer {optimizer!r} is not fbgemm's") or \
@@ -114,8 +90,11 @@ def fbgemm_update(adapter, fallback: bool) -> Callable:
         if reason:
             if fallback:
                 return rowopt.reference_row_update(B, optimizer, values, grads, state_rows, touched, lr, cfg)
-            raise UnsupportedOnBackend(f"row kernel 'fbgemm': {reason}; use backend.row_kernel='reference'")
+            raise UnsupportedOnBackend(f"row kernel 'fbgemm': {reason}; use ops.row_update='reference'")
         new, acc = adapter.update(values, grads, state_rows["acc"], touched, lr, cfg.eps, cfg.weight_decay)
         return new, {"acc": acc}
 
     return update
+
+
+__all__ = ["fbgemm_update"]

@@ -18,20 +18,21 @@ from .base import Backend, BackendUnavailable
 
 class TorchBackend(Backend):
     name = "torch"
-    default_hstu_kernel = "best"  # cpu_fused on CPU where it builds, else jagged (backends/kernels.py)
+    # "best": the fused C++ CPU ops (backends/cpu_fused) for the calls they serve where the
+    # extension builds, else jagged attention and the row-chunked torch Functions below
+    default_ops = {**Backend.default_ops, "attention": "best", "sampled_logits": "best", "shared_logsumexp": "best"}
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", hstu_kernel: str = "default",
-                 row_kernel: str = "default", compile: bool = False, cpu_fused: bool = True):
-        """hstu_kernel: a kernel of the registry (backends/kernels.py) that runs on torch:
-        "default" (= "best": "cpu_fused", the fused C++ tiles, on CPU in fp32/fp64 where the
-        extension builds, else "jagged"), "jagged" (block-sparse tiles of ``layout.tiles``, no
-        padding, where they pay off, else padded), "tiled", "reference" (padded dense, the oracle), "triton" (the
-        portable Triton kernel of npu_ops: compiled on CUDA, interpreted on CPU under
-        TRITON_INTERPRET=1), or a registered kernel of your own. row_kernel: "default" (=
-        "reference") or "fbgemm" (fbgemm's TBE row-wise Adagrad: fbgemm-gpu-cpu on CPU, fbgemm_gpu
-        on CUDA; backends/row_kernels.py). compile: ``compiled(f)`` is ``torch.compile(f)``.
-        cpu_fused: on CPU, the fused C++ ops of backends/cpu_fused (the "best" attention's choice
-        and ``sampled_logits`` in fp32/fp64); False runs the torch formulations only."""
+    def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None,
+                 compile: bool = False):
+        """ops: ``{op: implementation}`` of the op registry (backends/ops.py; omitted ops take
+        ``default_ops``). Attention: "default" (= "best": "cpu_fused", the fused C++ tiles, on CPU
+        in fp32/fp64 where the extension builds, else "jagged"), "jagged" (block-sparse tiles of
+        ``layout.tiles``, no padding, where they pay off, else padded), "tiled", "reference"
+        (padded dense, the oracle), "triton" (the portable Triton kernel of npu_ops: compiled on
+        CUDA, interpreted on CPU under TRITON_INTERPRET=1), or a registered kernel of your own.
+        sampled_logits / shared_logsumexp: "best", "cpu_fused" or "reference" (backends/loss_ops.py).
+        row_update: "reference" or "fbgemm" (fbgemm's TBE row-wise Adagrad: fbgemm-gpu-cpu on CPU,
+        fbgemm_gpu on CUDA; backends/row_kernels.py). compile: ``compiled(f)`` is ``torch.compile(f)``."""
         super().__init__(device, dtype)
         import array_api_compat.torch as xp
         import torch
@@ -46,9 +47,7 @@ class TorchBackend(Backend):
                                      f"torch on a machine with a GPU")
         # measured crossover of the tiled kernel vs the padded one (README "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
-        self.cpu_fused = bool(cpu_fused) and self.torch_device.type == "cpu"
-        self.use_hstu_kernel(hstu_kernel)
-        self.use_row_kernel(row_kernel)
+        self.use_ops(ops)
         self.compile = bool(compile)
 
     @property
@@ -106,7 +105,7 @@ class TorchBackend(Backend):
     def compiled(self, f: Callable) -> Callable:
         if not self.compile:
             return f
-        cache = self.__dict__.setdefault("_compiled", {})  # per backend view (with_hstu_kernel drops it)
+        cache = self.__dict__.setdefault("_compiled", {})  # per backend view (with_ops drops it)
         if f not in cache:
             cache[f] = self._torch.compile(f)
         return cache[f]
@@ -187,55 +186,27 @@ class TorchBackend(Backend):
         out = data.new_zeros((num_segments + 1,) + tuple(data.shape[1:]))
         return out.index_add(0, ids, data)[:num_segments]
 
-    def _fused_ops_take(self, *arrays) -> bool:
-        """Whether the fused C++ CPU ops (backends/cpu_fused) run a call on ``arrays``: the option is
-        on, they are fp32 or fp64 CPU tensors of one dtype, and the extension is built (else the
-        torch formulation runs, after one warning with the reason)."""
-        if not self.cpu_fused or arrays[0].dtype not in (self._torch.float32, self._torch.float64):
-            return False
-        if any(a.dtype != arrays[0].dtype or a.device.type != "cpu" for a in arrays):
-            return False
-        from . import cpu_fused
-
-        return cpu_fused.available()
-
-    def sampled_logits(self, user, items, ids):
-        """On CPU in fp32/fp64: the fused C++ op (``cpu_fused.sampled_logits``: one dot per
-        (position, id) from the item rows). Otherwise the reference's two formulations (dense ``user @ items^T`` when ``N <=
+    def sampled_logits_reference(self, user, items, ids):
+        """The reference's two formulations (dense ``user @ items^T`` when ``N <=
         DENSE_LOGITS_MAX_RATIO * R``, else a row gather), row-chunk by row-chunk
         (``_chunked_sampled_logits``): neither the ``[T, N]`` scores nor the ``[T, R, D]`` gathered
         rows, nor their gradients, are ever materialised whole."""
-        if self._fused_ops_take(user, items):
-            from . import cpu_fused
-
-            return cpu_fused.sampled_logits(user, items, ids)
         ids = ids.long()  # torch's gathers want int64 indices; the math is unchanged
         dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
         return _chunked_sampled_logits(self._torch)(user, items, ids, dense)
 
-    def sampled_logits_16bit(self, user, items, ids, scale, precision: str):
-        """On CPU in fp32: the fused C++ op (``cpu_fused.sampled_logits_16bit``: each named row
-        rounded in cache and dotted with its position's user). Otherwise row-chunked like
-        ``sampled_logits`` (``_chunked_sampled_logits_16bit``): each chunk's ``[c, R, D]`` rows are
+    def sampled_logits_16bit_reference(self, user, items, ids, scale, precision: str):
+        """Row-chunked like ``sampled_logits_reference`` (``_chunked_sampled_logits_16bit``): each chunk's ``[c, R, D]`` rows are
         rounded to 16 bits with their positions' scales while in cache, and backward recomputes
         them; nothing ``[T, R, D]`` is ever whole."""
-        if user.dtype == self._torch.float32 and self._fused_ops_take(user, items, scale):
-            from . import cpu_fused
-
-            return cpu_fused.sampled_logits_16bit(user, items, ids, scale, precision)
         low = self._torch.float16 if precision == "fp16" else self._torch.bfloat16
         return _chunked_sampled_logits_16bit(self._torch)(user, items, ids.long(), scale, low)
 
-    def shared_logsumexp(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
-                         masked_logit: float):
-        """On CPU in fp32/fp64: the fused C++ op (``cpu_fused.shared_logsumexp``: each block's logits,
-        mask and logsumexp in one pass in cache). Otherwise row-chunked
+    def shared_logsumexp_reference(self, user, neg_items, neg_ids, targets, pos, neg_bias, scale: float,
+                                   masked_logit: float):
+        """Row-chunked
         (``_chunked_shared_logsumexp``): the ``[T, R]`` logits and their gradient exist one
         ``[chunk, R]`` block at a time, in cache, instead of as ~6 whole-matrix passes."""
-        if self._fused_ops_take(user, neg_items, pos, neg_bias):
-            from . import cpu_fused
-
-            return cpu_fused.shared_logsumexp(user, neg_items, neg_ids, targets, pos, neg_bias, scale, masked_logit)
         return _chunked_shared_logsumexp(self._torch)(user, neg_items, neg_ids.long(), targets.long(), pos,
                                                       neg_bias, float(scale), float(masked_logit))
 
@@ -322,7 +293,7 @@ def _chunked_sampled_logits(torch):
 
 
 def _chunked_sampled_logits_16bit(torch):
-    """``autograd.Function`` of ``Backend.sampled_logits_16bit``, ``SAMPLED_LOGITS_CHUNK_ROWS``
+    """``autograd.Function`` of ``Backend.sampled_logits_16bit_reference``, ``SAMPLED_LOGITS_CHUNK_ROWS``
     positions at a time: gather the chunk's rows, round ``rows / scale`` to the 16-bit dtype and
     back, dot with the chunk's users. Backward recomputes the rounded rows: ``d user_c = g_c .
     q_c``, ``d items += index_add(g_c x user_c)`` (straight through the rounding), in fp32 for
@@ -369,7 +340,7 @@ def _chunked_sampled_logits_16bit(torch):
 
 
 def _chunked_shared_logsumexp(torch):
-    """``autograd.Function`` of ``Backend.shared_logsumexp`` on ``SAMPLED_LOGITS_CHUNK_ROWS`` rows
+    """``autograd.Function`` of ``Backend.shared_logsumexp_reference`` on ``SAMPLED_LOGITS_CHUNK_ROWS`` rows
     at a time. Forward keeps only ``lse[T]``; backward recomputes each block's logits, its softmax
     ``p = exp(logit - lse)`` (0 on masked cells) and gives ``d pos = g exp(pos - lse)``,
     ``d user_c = scale (g p) @ neg_items``, ``d neg_items += scale (g p)^T @ user_c``,

@@ -15,7 +15,7 @@ In fp32 (``backend.precision`` is not applied here). Variants (each backend):
           inputs only and backward recomputes its tiles (torch's autograd-saved bytes then leave
           out the one layer's tiles that exist while its backward runs; XLA's temp buffers include
           them);
-  fused   (torch on CPU only) jagged rows and the fused C++ tiles (``backend.hstu_kernel =
+  fused   (torch on CPU only) jagged rows and the fused C++ tiles (``ops.attention =
           "cpu_fused"``, backends/cpu_fused: products on BLAS, the elementwise work in cache, the
           tiles recomputed in backward: autograd keeps q, k, v only);
   triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops.
@@ -97,7 +97,7 @@ def variants(label, B):
     if label == "torch" and str(getattr(B, "torch_device", "cpu")).startswith("cuda"):
         from backends import get_backend
 
-        yield "triton", get_backend("torch", device=str(B.torch_device), hstu_kernel="triton")
+        yield "triton", get_backend("torch", device=str(B.torch_device), ops={"attention": "triton"})
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, truncations=TRUNCATIONS,

@@ -30,7 +30,7 @@ def machine() -> dict:
 
 def backends_for(cfg, names=None) -> list:
     """``[(label, backend)]`` to measure: ``names`` (default torch and jax) as ``grf train`` would
-    make them (``runner.make_backend``: ``backend.device``, ``hstu_kernel``, ``deterministic``).
+    make them (``runner.make_backend``: ``backend.device``, ``ops``, ``deterministic``).
     With ``backend.compile``: torch only, as two rows, "torch" (eager) and "torch+compile".
     Raises ``ConfigError`` / ``BackendUnavailable`` with the reason, before anything is timed.
     (Precision is applied by whoever runs the step: ``train`` casts per ``backend.precision``.)"""
@@ -53,8 +53,9 @@ def backends_for(cfg, names=None) -> list:
 
 
 def fused_available(B) -> bool:
-    """Torch's fused C++ CPU ops are on in ``B`` (``backend.cpu_fused``) and built here."""
-    if not getattr(B, "cpu_fused", False):
+    """Torch's fused C++ CPU ops run the loss in ``B`` (``ops.sampled_logits`` "best" or
+    "cpu_fused" on the CPU) and are built here."""
+    if B.op_names.get("sampled_logits") not in ("best", "cpu_fused") or B.device_kind != "cpu":
         return False
     from backends import cpu_fused
 
@@ -63,12 +64,15 @@ def fused_available(B) -> bool:
 
 def kernel_variant(B, kernel: str, fused_ops: bool = True):
     """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` (a registered attention
-    kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_hstu_kernel``). ``fused_ops =
-    False`` also turns off torch's fused C++ CPU ops (``backend.cpu_fused``: the sampled logits),
-    so the step is the array-API formulation both backends share."""
-    if not fused_ops and getattr(B, "cpu_fused", False):
-        B = B._view(cpu_fused=False)  # before the kernel is built: "best" reads it then
-    return B.with_hstu_kernel(kernel)
+    kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_ops``). ``fused_ops = False``
+    also turns off torch's fused C++ CPU ops of the loss (``cpu_fused.OFF``), so the step is the
+    array-API formulation both backends share."""
+    from backends.cpu_fused import OFF
+
+    chosen = {"attention": kernel}
+    if not fused_ops:
+        chosen.update({op: name for op, name in OFF.items() if op != "attention" and op in B.op_names})
+    return B.with_ops(**chosen)
 
 
 def device_label(B) -> str:

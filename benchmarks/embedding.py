@@ -24,7 +24,7 @@ Sections (one JSON line per measurement with ``--json``):
   intra-/inter-node (``node_size`` 2 when 4 ranks), flat or hierarchical, fp32 or fp16, and what
   the same exchange would move without dedup (every id reference sent: ``*_no_dedup``).
 - ``row_kernel``: the row-wise Adagrad update of ``rows`` gathered rows of width ``dim`` (torch,
-  CPU) through each ``backend.row_kernel`` that loads here: ``reference`` (array code) and
+  CPU) through each ``ops.row_update`` that loads here: ``reference`` (array code) and
   ``fbgemm`` (fbgemm's TBE, fbgemm-gpu-cpu here); ``ratio_vs_reference`` > 1 is faster.
 """
 from __future__ import annotations
@@ -311,7 +311,7 @@ def bench_row_kernel(rows: int, dim: int, repeats: int, json_lines: bool) -> Non
     t_ref = None
     for kernel in ("reference", "fbgemm"):
         try:
-            B = get_backend("torch", row_kernel=kernel)
+            B = get_backend("torch", ops={"row_update": kernel})
         except BackendUnavailable as exc:
             _emit({"section": "row_kernel", "kernel": kernel, "skipped": str(exc)}, json_lines)
             continue

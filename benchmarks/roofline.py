@@ -9,7 +9,7 @@ matmul reads both operands and writes its output; a gather or index op moves its
 twice, plus the index; fill writes, copy reads and writes; any other leaf op reads its inputs and
 writes one output as large as the largest; views, and ops whose children do work (wrappers),
 move nothing themselves; ops taking tensor lists (cat, stack, advanced indexing), whose shapes the
-profiler does not record, and the fused C++ ops of backends/cpu_fused (``backend.cpu_fused``, on
+profiler does not record, and the fused C++ ops of backends/cpu_fused (``ops.*="best"``, on
 by default: their tiles never exist as tensors) are not estimated and count at their measured
 time), the intensity
 (FLOP/byte), and ``roofline_s = max(flops / peak, bytes / bandwidth)``: the least time the op could

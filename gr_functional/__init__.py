@@ -17,9 +17,9 @@ import importlib
 
 from .config import Config, replace
 
-from .configure import load_config
-
-_LAZY = {"prepare": ("experiment", "prepare"), "Experiment": ("experiment", "Experiment"),
+# configure (load_config) imports the registries, backends' among them: loaded on first use, so
+# that backends can import gr_functional's leaves without importing itself back
+_LAZY = {"load_config": ("configure", "load_config"), "prepare": ("experiment", "prepare"), "Experiment": ("experiment", "Experiment"),
          "fit": ("runner", "train"), "evaluate_checkpoint": ("runner", "evaluate_checkpoint")}
 # submodules reachable as attributes (grf.losses.register, grf.model.loss_fn) without importing them
 _SUBMODULES = ("losses", "model", "data", "batch", "plugins", "step", "optim", "optimizers", "task", "tree")

@@ -22,9 +22,8 @@ from .errors import ConfigError  # noqa: F401 (re-exported)
 
 # ----------------------------------------------------------------------------- choices
 # Keys with a fixed set of values, declared once; everything else (backends, the CLI) reads them
-# from here. Names that plugins may add (loss.name, data.dataset, backend.hstu_kernel) are checked
-# against their registries instead (``validate``).
-BackendName = Literal["torch", "jax", "npu"]
+# from here. Names that plugins may add (backend.name, loss.name, data.dataset, ops.attention) are
+# checked against their registries instead (``gr_functional.configure``).
 Dtype = Literal["float32", "float64"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Deterministic = Literal["auto", "on", "off"]
@@ -39,7 +38,6 @@ EmbeddingOptimizer = Literal["adamw", "lazy_adam", "rowwise_adagrad"]
 HashInit = Literal["hashed", "dense"]
 Sharding = Literal["replicated", "row"]
 ExchangePrecision = Literal["fp32", "fp16", "bf16"]
-RowKernelName = Literal["default", "reference", "fbgemm", "auto"]
 Task = Literal["retrieval", "ranking"]
 
 
@@ -265,33 +263,15 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    name: BackendName = "torch"
+    # A backend of backends.BACKENDS: "torch", "jax", "npu", or one a plugin registers.
+    name: str = "torch"
     device: str = ""                # "" = the backend's default (cpu, npu:0, ...)
     dtype: Dtype = "float32"
-    # HSTU attention kernel, a name in the registry of backends/kernels.py (each kernel declares
-    # the backends, dtypes, precisions, devices and model options it supports; others are refused
-    # by name): "default" (the backend's own choice: "best" on torch = "cpu_fused" on CPU where it
-    # builds, else "jagged"; "jagged" on jax; "auto" = mxrec or Triton on npu), "jagged" (no-padding
-    # tiles where they save enough work), "tiled" (always), "reference" (padded), "cpu_fused" (fused
-    # C++ tiles, torch CPU), "triton" (torch/npu), "mxrec" (npu), or a kernel registered by a plugin.
-    hstu_kernel: str = "default"
-    # Row-sparse embedding update (embedding.optimizer lazy_adam / rowwise_adagrad;
-    # backends/row_kernels.py): "default" (the backend's choice: "reference" on torch/jax, "auto"
-    # on npu), "reference" (plain array code), "fbgemm" (fbgemm's fused TBE row-wise Adagrad:
-    # fbgemm-ascend on npu, fbgemm_gpu on CUDA, fbgemm-gpu-cpu on CPU; rowwise_adagrad only),
-    # "auto" (npu: fbgemm where it applies, else reference).
-    row_kernel: RowKernelName = "default"
     # torch.compile the training loss (model forward; its backward through AOTAutograd): inductor's
     # C++/OpenMP kernels on CPU, Triton on CUDA; the chunked loss ops stay eager. torch only (JAX
     # always jit-compiles its step); the first steps of each new batch shape compile (~30-60 s on
     # 2 CPU cores). README "Speed" has the measured gain.
     compile: bool = False
-    # torch on CPU: the fused C++ ops of backends/cpu_fused (the attention "default"/"best" runs,
-    # the loss's sampled logits in fp32/fp64, its 16-bit negatives and the shared pool's
-    # logsumexp), built on first use with torch.utils.cpp_extension
-    # (needs a C++ compiler; where the build fails, a warning and the torch formulations). false:
-    # the torch formulations only. torch only.
-    cpu_fused: bool = True
     # Recompute the attention in backward instead of keeping it (activation checkpointing of
     # hstu_attention: torch.utils.checkpoint / jax.checkpoint): autograd keeps only q, k, v and the
     # bias parameters of each layer, not its score tiles or matrices; costs one more attention
@@ -307,6 +287,33 @@ class BackendConfig:
     # backward is many times slower (README "Determinism"); "on" | "off" (TOML true / false also
     # accepted) force it.
     deterministic: Deterministic = "auto"
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """Which implementation runs each fused op (backends/ops.py: every op's implementations sit
+    beside its reference and declare the backends, dtypes, precisions, devices and model options
+    they support; others are refused by name). "default" is the backend's own choice
+    (``Backend.default_ops``); a plugin may register more (``backends.ops.register``)."""
+
+    # HSTU attention (backends/kernels.py): "default" ("best" on torch = "cpu_fused" on CPU where it
+    # builds, else "jagged"; "jagged" on jax; "auto" = mxrec or Triton on npu), "jagged" (no-padding
+    # tiles where they save enough work), "tiled" (always), "reference" (padded), "cpu_fused" (fused
+    # C++ tiles, torch CPU), "triton" (torch/npu), "mxrec" (npu).
+    attention: str = "default"
+    # The ranking model's target-aware attention: "reference" (padded).
+    ranking_attention: str = "default"
+    # The loss's sampled logits, fp32 or with 16-bit negatives (backends/loss_ops.py): "default"
+    # ("best" on torch: the fused C++ op on CPU where it builds, else "reference"), "cpu_fused",
+    # "reference" (the backend's formulation; torch: row-chunked).
+    sampled_logits: str = "default"
+    # The shared negative pool's logsumexp (loss.negatives = "shared"): as sampled_logits.
+    shared_logsumexp: str = "default"
+    # Row-sparse embedding update (embedding.optimizer lazy_adam / rowwise_adagrad;
+    # backends/row_kernels.py): "default" ("reference" on torch/jax, "auto" on npu), "reference",
+    # "fbgemm" (fbgemm's fused TBE row-wise Adagrad: fbgemm-ascend on npu, fbgemm_gpu on CUDA,
+    # fbgemm-gpu-cpu on CPU; rowwise_adagrad only), "auto" (npu: fbgemm where it applies, else reference).
+    row_update: str = "default"
 
 
 @dataclass(frozen=True)
@@ -450,6 +457,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
@@ -513,23 +521,46 @@ def _hints(cls):
     return typing.get_type_hints(cls)
 
 
-# Keys that moved: (old section, key) -> new section. Configs written by a run (OUT/config.toml,
-# checkpoints) are migrated on reading; a user's file or --set naming the old place is an error
-# saying where the key lives now.
-MOVED_KEYS = {("model", "temperature"): "loss", ("model", "num_negatives"): "loss"}
+# Keys that moved: (old section, old key) -> (new section, new key). Configs written by a run
+# (OUT/config.toml, checkpoints) are migrated on reading; a user's file or --set naming the old
+# place is an error saying where the key lives now.
+MOVED_KEYS = {("model", "temperature"): ("loss", "temperature"),
+              ("model", "num_negatives"): ("loss", "num_negatives"),
+              ("backend", "hstu_kernel"): ("ops", "attention"),
+              ("backend", "row_kernel"): ("ops", "row_update")}
+# backend.cpu_fused (a switch of every fused C++ CPU op) became one [ops] key per op: false meant
+# these choices (attention "default"/"best" ran jagged then)
+CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
 
 
-def _migrate(values: dict, source: str, origins: dict, stored: bool) -> dict:
+def migrate(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = True) -> dict:
+    """``values`` ({section: {key: value}}) with the keys of older versions in their place now
+    (``MOVED_KEYS``, ``backend.cpu_fused``); a copy. ``stored``: written by a run, so migrated;
+    else (a user's file or --set) a ConfigError naming where the key lives now."""
+    origins = origins or {}
     values = {name: dict(body) if isinstance(body, dict) else body for name, body in values.items()}
-    for (old, key), new in MOVED_KEYS.items():
+    for (old, key), (new, new_key) in MOVED_KEYS.items():
         if not isinstance(values.get(old), dict) or key not in values[old]:
             continue
         if not stored:
             where = origins.get((old, key), source)
-            raise ConfigError(f"{where}: {old}.{key} moved to [{new}]: write `{key} = ...` under [{new}] "
-                              f"(--set {new}.{key}=...)")
+            raise ConfigError(f"{where}: {old}.{key} moved to {new}.{new_key}: write `{new_key} = ...` under "
+                              f"[{new}] (--set {new}.{new_key}=...)")
         value = values[old].pop(key)
-        values.setdefault(new, {}).setdefault(key, value)
+        values.setdefault(new, {}).setdefault(new_key, value)
+    backend = values.get("backend")
+    if isinstance(backend, dict) and "cpu_fused" in backend:
+        if not stored:
+            where = origins.get(("backend", "cpu_fused"), source)
+            raise ConfigError(f"{where}: backend.cpu_fused is now one [ops] key per op: false is ops.attention="
+                              f"'jagged', ops.sampled_logits='reference', ops.shared_logsumexp='reference' "
+                              f"(--set ops.attention=jagged ...); true is the default")
+        if backend.pop("cpu_fused") is False:
+            chosen = values.setdefault("ops", {})
+            if chosen.get("attention", "default") in ("default", "best") and backend.get("name", "torch") == "torch":
+                chosen["attention"] = "jagged"
+            for op, name in CPU_FUSED_OFF.items():
+                chosen.setdefault(op, name)
     return values
 
 
@@ -544,7 +575,7 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
     looked up here (``gr_functional.configure`` does, for a config a user wrote), so a checkpoint
     of a plugin's loss can be read without that plugin."""
     origins = origins or {}
-    values = _migrate(values, source, origins, stored)
+    values = migrate(values, source, origins, stored)
     sections = {}
     for name, body in values.items():
         if name not in SECTIONS:
@@ -639,12 +670,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
         fail("backend", "compile", f"torch.compile is a torch-backend option: "
                                    f"{'JAX always jit-compiles its step' if b.name == 'jax' else 'on npu it goes through torchair / triton-ascend, not verified here'}; "
                                    f"set backend.compile=false")
-    if not b.cpu_fused and b.name != "torch":
-        fail("backend", "cpu_fused", f"the fused C++ CPU ops are a torch-backend option ({b.name} has none); "
-                                     f"remove backend.cpu_fused")
-    if not b.cpu_fused and b.hstu_kernel == "cpu_fused":
-        fail("backend", "cpu_fused", "backend.hstu_kernel='cpu_fused' is the fused C++ op itself; set "
-                                     "backend.cpu_fused=true or choose another kernel")
     if cfg.model.task == "ranking":
         _validate_ranking(cfg, fail)
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
@@ -773,7 +798,7 @@ def read_values(path: str | Path | None = None, overrides: list = ()) -> tuple[d
         origins[(section, key)] = SetOrigin(label, replaced)
         origins.setdefault((section, None), label)
     if is_run_record(path):
-        values = _migrate(values, source, origins, stored=True)  # a run's own record (grf train --config OUT/config.toml)
+        values = migrate(values, source, origins, stored=True)  # a run's own record (grf train --config OUT/config.toml)
     return values, source, origins
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from backends import kernels, row_kernels
+from backends import BACKENDS, ops
 
 from . import hooks, losses, model, optimizers, task
 from .config import Config, ConfigError, build_config, is_run_record, problem_message, read_values
@@ -18,16 +18,9 @@ from .data import registry as datasets
 from .plugins import import_plugins, normalise
 
 
-def _kernel_problems(cfg: Config) -> list[tuple[str, str, str]]:
-    problem = kernels.check_config(cfg)
-    return [("backend", "hstu_kernel", problem)] if problem else []
-
-
-def _row_kernel_problems(cfg: Config) -> list[tuple[str, str, str]]:
-    b = cfg.backend
-    table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
-    problem = row_kernels.problem(b.row_kernel, b.name, cfg.embedding.optimizer, table_dim, cfg.optim.weight_decay)
-    return [("backend", "row_kernel", problem)] if problem else []
+def _backend_problems(cfg: Config) -> list[tuple[str, str, str]]:
+    name = cfg.backend.name
+    return [] if name in BACKENDS else [("backend", "name", BACKENDS.unknown_message(name))]
 
 
 def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
@@ -40,8 +33,8 @@ def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
 
 
 # Each registry's check of its own section, in the order a user would fix them.
-CHECKS = (task.check_config, model.check_config, _kernel_problems, _row_kernel_problems, losses.check_config, hooks.check_config,
-          datasets.check_config, _optimizer_problems)
+CHECKS = (_backend_problems, task.check_config, model.check_config, ops.config_problems, losses.check_config,
+          hooks.check_config, datasets.check_config, _optimizer_problems)
 
 
 def check_registries(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from backends.kernels import valid_names
+from backends import ops
 
 from . import model
 from .batch import HSTUBatch
@@ -148,8 +148,7 @@ def backend_as_trained(cfg: Config, name: str):
     if name == cfg.backend.name:
         side = cfg
     else:
-        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in valid_names(name) else "default"
-        side = replace(cfg, backend={"name": name, "hstu_kernel": kernel, "row_kernel": "default", "device": "",
-                                     "compile": False, "cpu_fused": cfg.backend.cpu_fused or name != "torch"})
+        side = replace(cfg, backend={"name": name, "device": "", "compile": False},
+                       ops={**ops.portable(ops.choices(cfg), name), "row_update": "default"})
     validate(side, source=f"--backends {name}")
     return make_backend(side)

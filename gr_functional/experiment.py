@@ -47,7 +47,7 @@ class Experiment:
 
         cfg = self.cfg
         if name is not None and name != cfg.backend.name:
-            cfg = replace(cfg, backend={"name": name, "hstu_kernel": "default", "row_kernel": "default", "device": ""})
+            cfg = replace(cfg, backend={"name": name, "device": ""}, ops={f.name: "default" for f in dataclasses.fields(cfg.ops)})
         return make_backend(cfg, device)
 
     def init_params(self, seed: int | None = None) -> dict:

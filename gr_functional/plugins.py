@@ -3,7 +3,7 @@ of one's own get registered without editing the package.
 
 ``train.plugins`` (``grf train --plugin FILE_OR_MODULE``, repeatable) lists ``.py`` files or
 importable module names. ``configure.load_config`` imports them before it checks the registry
-names (``loss.name``, ``data.dataset``, ``backend.hstu_kernel``); the list is saved in
+names (``loss.name``, ``data.dataset``, ``ops.attention``); the list is saved in
 config.toml and in every checkpoint (files as absolute paths), so a resume or ``grf eval``
 imports the same ones.
 """

@@ -33,7 +33,7 @@ _BOOKKEEPING = ("train.eval_every", "train.log_every", "train.checkpoint_every",
                 "train.max_bad_steps", "eval.batch_size", "eval.max_users", "data.path")
 # keys that change how the same math is executed (rounding, speed), not the model: seeds of one
 # config run with different ones still form one group
-_EXECUTION = ("backend.deterministic", "backend.hstu_kernel", "backend.device", "model.attention_tile")
+_EXECUTION = ("backend.deterministic", "ops.attention", "backend.device", "model.attention_tile")
 
 
 @dataclasses.dataclass(frozen=True)

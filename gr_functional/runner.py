@@ -42,8 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.kernels import check_config as kernel_problem
-from backends.kernels import valid_names as kernel_names
+from backends import ops
 
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
                          check_finite, fault_point, read_checkpoint)
@@ -371,15 +370,12 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     except NonFiniteState as exc:  # a diverged run's state: evaluating it would only rank NaNs
         raise Diverged(f"{exc}; evaluate an earlier checkpoint of the run (OUT/checkpoints/step-*.safetensors)") from None
     if backend:
-        kernel = cfg.backend.hstu_kernel if cfg.backend.hstu_kernel in kernel_names(backend) else "default"
-        cfg = replace(cfg, backend={"name": backend, "hstu_kernel": kernel})  # the run's kernel may not exist there
+        # the run's kernels may not exist there: those take that backend's default
+        cfg = replace(cfg, backend={"name": backend}, ops=ops.portable(ops.choices(cfg), backend))
         # only what evaluation uses is checked: a plugin's loss need not be registered to evaluate
         build_config({"backend": {f.name: getattr(cfg.backend, f.name) for f in dataclasses.fields(cfg.backend)}},
                      source=f"--backend {backend}")
-        config_validate(cfg, source=f"--backend {backend}")
-        problem = kernel_problem(cfg)
-        if problem:
-            raise ConfigError(f"--backend {backend}: backend.hstu_kernel={cfg.backend.hstu_kernel!r}: {problem}")
+        config_validate(cfg, source=f"--backend {backend}")  # the registries' checks, the ops' among them
     B = make_backend(cfg)
     result = task.evaluate_checkpoint(B, cfg, ck, split)
     extra = {k: result.pop(k) for k in ("dataset", "task") if k in result}

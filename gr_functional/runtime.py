@@ -1,7 +1,7 @@
-"""The backend a config asks for (``make_backend``): kernels, compile, determinism, device."""
+"""The backend a config asks for (``make_backend``): its ops, compile, determinism, device."""
 from __future__ import annotations
 
-from backends import backend_class, get_backend
+from backends import backend_class, get_backend, ops
 
 from .config import Config
 
@@ -9,14 +9,11 @@ from .config import Config
 def make_backend(cfg: Config, device: str | None = None):
     """The backend of ``cfg.backend``; ``device`` overrides ``backend.device`` (a rank's device)."""
     options = {"device": device or cfg.backend.device or None, "dtype": cfg.backend.dtype}
-    if cfg.backend.hstu_kernel != "default":
-        options["hstu_kernel"] = cfg.backend.hstu_kernel
-    if cfg.backend.row_kernel != "default":
-        options["row_kernel"] = cfg.backend.row_kernel
+    chosen = {op: name for op, name in ops.choices(cfg).items() if name != "default"}
+    if chosen:
+        options["ops"] = chosen
     if cfg.backend.compile:
         options["compile"] = True
-    if not cfg.backend.cpu_fused:
-        options["cpu_fused"] = False
     backend_class(cfg.backend.name).prepare_process(attention_recompute=cfg.backend.attention_recompute)
     B = get_backend(cfg.backend.name, **options)
     if cfg.backend.attention_recompute:

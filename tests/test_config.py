@@ -115,10 +115,10 @@ def test_every_number_is_range_checked_at_parse_time(override, message):
 
 
 @pytest.mark.parametrize("override,valid", [
-    ("backend.hstu_kernel=flash", "'default', 'jagged', 'tiled', 'reference', 'cpu_fused', 'best', 'triton'"),
+    ("ops.attention=flash", "'default', 'jagged', 'tiled', 'reference', 'cpu_fused', 'best', 'triton'"),
     ("backend.dtype=int8", "'float32', 'float64'"),
     ("backend.precision=fp8", "'fp32', 'bf16', 'fp16'"),
-    ("backend.name=tensorflow", "'torch', 'jax', 'npu'"),
+    ("backend.name=tensorflow", "'jax', 'torch', 'npu'"),
     ("backend.deterministic=maybe", "'auto', 'on', 'off'"),
     ("dist.balance=greedy", "'none', 'kk', 'lookahead'"),
     ("dist.backend=mpi", "'gloo', 'nccl', 'hccl'"),
@@ -136,10 +136,10 @@ def test_near_miss_choice_is_suggested():
 
 
 def test_cross_key_rules():
-    with pytest.raises(ConfigError, match=r"backend.hstu_kernel='triton': the jax backend has no such kernel; "
-                                          r"'triton' runs on: torch, npu; valid for jax: 'default', 'jagged', "
+    with pytest.raises(ConfigError, match=r"ops.attention='triton': kernel 'triton' does not run on the jax backend "
+                                          r"\(it runs on torch, npu\); valid for jax: 'default', 'jagged', "
                                           r"'tiled', 'reference'"):
-        load_config(None, ["backend.name=jax", "backend.hstu_kernel=triton"])
+        load_config(None, ["backend.name=jax", "ops.attention=triton"])
     with pytest.raises(ConfigError, match="must contain 10"):
         load_config(None, ["eval.ks=[5, 20]"])
     with pytest.raises(ConfigError, match="fp16 logits"):

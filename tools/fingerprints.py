@@ -29,6 +29,9 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from gr_functional.config import migrate  # noqa: E402 - recorded configs are read as stored configs are
+
 STORE = ROOT / "tests" / "fingerprints"
 
 # Fields that measure time, not behaviour.
@@ -226,7 +229,8 @@ def _close(a, b, path: str, rtol: float, errors: list[str]) -> None:
 
 
 def _config_errors(recorded: dict, now: dict, path: str, errors: list[str]) -> None:
-    """Every recorded key keeps its value; keys added since (a new option at its default) are allowed."""
+    """Every recorded key keeps its value (keys of older versions where ``config.migrate`` moves
+    them); keys added since (a new option at its default) are allowed."""
     for k, v in recorded.items():
         if k not in now:
             errors.append(f"{path}.{k}: removed")
@@ -239,14 +243,14 @@ def _config_errors(recorded: dict, now: dict, path: str, errors: list[str]) -> N
 def compare(recorded: dict, now: dict, exact: bool, rtol: float = 2e-3) -> list[str]:
     """Differences between two fingerprints: bytes where ``exact``, else values within ``rtol``."""
     errors: list[str] = []
-    _config_errors(recorded["config"], now["config"], "config.toml", errors)
+    _config_errors(migrate(recorded["config"]), now["config"], "config.toml", errors)
     for rel, ck in recorded["checkpoints"].items():
         if rel not in now["checkpoints"]:
             errors.append(f"checkpoints/{rel}: missing")
             continue
         other = now["checkpoints"][rel]
         if isinstance(ck, dict) and "config" in ck:
-            _config_errors(ck["config"], other.get("config", {}), f"checkpoints/{rel}:config", errors)
+            _config_errors(migrate(ck["config"]), other.get("config", {}), f"checkpoints/{rel}:config", errors)
             ck, other = {k: v for k, v in ck.items() if k != "config"}, {k: v for k, v in other.items() if k != "config"}
         if exact:
             if ck != other:

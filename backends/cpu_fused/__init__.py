@@ -1,7 +1,7 @@
-"""The fused CPU ops of the torch backend: the HSTU attention (``backend.hstu_kernel =
-"cpu_fused"``, what the torch default "best" runs on CPU) and the sampled logits of the loss
-(``TorchBackend.sampled_logits`` on CPU in fp32/fp64, ``sampled_logits_16bit`` with 16-bit negatives
-in fp32, and the shared pool's ``shared_logsumexp``); ``backend.cpu_fused = false`` turns them all off.
+"""The fused CPU ops of the torch backend: the HSTU attention (``ops.attention = "cpu_fused"``, what
+the torch default "best" runs on CPU) and the sampled logits of the loss (``ops.sampled_logits`` on
+CPU in fp32/fp64, with 16-bit negatives in fp32, and the shared pool's ``ops.shared_logsumexp``:
+backends/loss_ops.py); the [ops] choices in ``OFF`` run none of them.
 
 The tiled kernel (``Backend.hstu_attention_tiled``) runs each step of a tile as its own torch op:
 gathers of q/k/v chunks into ``[H, P, C, d]`` copies, the score product, the bias gather and add,
@@ -18,7 +18,7 @@ build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensi
 CPUs with AVX2. Processes take turns to build or load it (``_BuildTurn``: a ``flock`` on
 ``lock.owner`` in the build folder), so torch's build ``lock`` left by a process killed
 mid-build is seen as such and removed, never waited on. Where it cannot be built or run, selecting the kernel raises
-``UnsupportedOnBackend`` with the reason (``backend.hstu_kernel`` names the kernels that run).
+``UnsupportedOnBackend`` with the reason (``ops.attention`` names the kernels that run).
 The sampled logits (``sampled_logits``) replace the chunked torch Function's ``[chunk, N]``
 score blocks or ``[chunk, R, D]`` row copies with one dot per (position, id), read straight from
 the item rows. The differential suite checks both against float64 oracles, outputs and every
@@ -165,7 +165,7 @@ class _BuildTurn:
                 raise UnsupportedOnBackend(
                     f"cpu_fused ops: waited {waited:.0f} s for process {holder} to finish building or loading "
                     f"them in {build} ({owner} is locked by it); when no grf process is building them, stop "
-                    f"that process, or delete {lock} and {owner}, then rerun (backend.cpu_fused=false runs "
+                    f"that process, or delete {lock} and {owner}, then rerun (the ops choices of cpu_fused.OFF run "
                     f"the torch formulations instead)")
             if waited > _TURN_NOTICE_S and not noticed:
                 noticed = True
@@ -214,6 +214,10 @@ class _BuildTurn:
         return False
 
 
+# The [ops] choices that run none of these ops (what backend.cpu_fused = false meant before [ops];
+# gr_functional.config.migrate writes the same for stored configs)
+OFF = {"attention": "jagged", "sampled_logits": "reference", "shared_logsumexp": "reference"}
+
 _BUILT: dict = {}  # "module" or "error": the one build attempt of this process
 
 
@@ -261,7 +265,7 @@ def available(warn: bool = True) -> bool:
             import warnings
 
             _BUILT["warned"] = True
-            warnings.warn(f"{exc}; the torch formulations run instead (backend.cpu_fused = false silences this)",
+            warnings.warn(f"{exc}; the torch formulations run instead (the [ops] choices of backends.cpu_fused.OFF silence this)",
                           stacklevel=3)
         return False
 
@@ -342,7 +346,7 @@ def _fused_sampled():
 
 
 def sampled_logits(user, items, ids):
-    """``Backend.sampled_logits``: ``out[t, r] = <user[t], items[ids[t, r]]>``, user[T, D] and
+    """``Backend.sampled_logits_reference``: ``out[t, r] = <user[t], items[ids[t, r]]>``, user[T, D] and
     items[N, D] float32/float64 on the CPU, ids[T, R] integer -> [T, R]. One dot per (position,
     id) straight from the item rows, nothing ``[T, N]`` or ``[T, R, D]`` written; backward sums
     each id's gradient in one task (deterministic, no scatter conflicts)."""
@@ -372,7 +376,7 @@ def _sampled16_function():
 
 
 def sampled_logits_16bit(user, items, ids, scale, precision: str):
-    """``Backend.sampled_logits_16bit`` on float32 CPU tensors: user[T, D], items[N, D], ids[T, R]
+    """``Backend.sampled_logits_16bit_reference`` on float32 CPU tensors: user[T, D], items[N, D], ids[T, R]
     integer, scale[T] (> 0), precision "fp16" | "bf16" -> [T, R]. Each named row is rounded to 16
     bits with its position's scale while in cache (fp16 by the CPU's F16C conversions, bf16 by
     rounding to its upper 16 bits; both to nearest even, as torch's casts) and dotted with the
@@ -405,7 +409,7 @@ def _pool_function():
 
 
 def shared_logsumexp(user, neg_items, neg_ids, targets, pos, neg_bias, scale: float, masked_logit: float):
-    """``Backend.shared_logsumexp`` on CPU tensors of one float dtype (fp32/fp64): user[T, D],
+    """``Backend.shared_logsumexp_reference`` on CPU tensors of one float dtype (fp32/fp64): user[T, D],
     neg_items[R, D], neg_ids[R] and targets[T] integer, pos[T], neg_bias[R] -> lse[T]. Blocks of 128
     rows: the block's ``[128, R]`` logits by one BLAS product, then bias, mask and logsumexp while
     they are in cache; backward recomputes each block and writes ``d user`` and per-range sums of

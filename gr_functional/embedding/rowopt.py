@@ -73,7 +73,7 @@ def reset_rows(B, state: dict, rows) -> dict:
 
 def row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
     """``(new_values[U, D], new_state_rows)`` of the gathered rows (module docstring formulas);
-    untouched slots unchanged. Runs the backend's row kernel (``backend.row_kernel``:
+    untouched slots unchanged. Runs the backend's row kernel (``ops.row_update``:
     ``reference_row_update``, or fbgemm's fused TBE update, backends/row_kernels.py)."""
     _check(name)
     return B.row_update(name, values, grads, state_rows, touched, lr, cfg)

@@ -91,10 +91,10 @@ def compared_backends() -> list[str]:
 
 def reference_grad_backend():
     """The gradient oracle of kernel ops: the reference ops (backends/base.py) in float64 on
-    torch, padded attention ("reference" kernel)."""
-    from backends import get_backend
+    torch: every op of the registry its "reference" (padded attention)."""
+    from backends import get_backend, ops
 
-    return get_backend("torch", dtype="float64", hstu_kernel="reference")
+    return get_backend("torch", dtype="float64", ops={op: "reference" for op in ops.OPS})
 
 
 def kernel_pairs(all_backends: bool = False) -> list[tuple[str, str]]:
@@ -113,7 +113,7 @@ def kernel_params(all_backends: bool = False) -> list:
 
 
 def kernel_backend(backend: str, kernel: str, **options):
-    """``get_backend(backend, hstu_kernel=kernel, **options)``, or ``pytest.skip`` with the reason
+    """``get_backend(backend, ops={"attention": kernel}, **options)``, or ``pytest.skip`` with the reason
     it cannot run here: the backend is not under test or unavailable (no Ascend NPU), the kernel's
     hardware or package is missing (BackendUnavailable), or it declares it does not support these
     options (ConfigError naming the option)."""
@@ -124,7 +124,7 @@ def kernel_backend(backend: str, kernel: str, **options):
         ok, reason = backend_status(backend)
         pytest.skip(f"backend {backend!r} is not in GRF_TEST_BACKENDS" + ("" if ok else f"; here: {reason}"))
     try:
-        return get_backend(backend, hstu_kernel=kernel, **options)
+        return get_backend(backend, ops={"attention": kernel}, **options)
     except (BackendUnavailable, ConfigError) as exc:
         pytest.skip(f"kernel {kernel!r} on {backend}: {exc}")
 

@@ -1,4 +1,4 @@
-"""The fused CPU tile attention (backends/cpu_fused, ``backend.hstu_kernel = "cpu_fused"``).
+"""The fused CPU tile attention (backends/cpu_fused, ``ops.attention = "cpu_fused"``).
 
 test_ops.py already runs it (and "best") on every layout case against the float64 oracle at fp32
 tolerances. Here: float64 to float64 rounding (so an indexing slip cannot hide under fp32
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from backends import get_backend
+from backends.cpu_fused import OFF as UNFUSED
 
 from . import oracle
 from .common import MAX_LEN, attention_bias, attention_inputs, grads, rel_err
@@ -24,7 +25,7 @@ def _fused_backend(dtype="float32"):
     from backends import BackendUnavailable
 
     try:
-        return get_backend("torch", dtype=dtype, hstu_kernel="cpu_fused")
+        return get_backend("torch", dtype=dtype, ops={"attention": "cpu_fused"})
     except BackendUnavailable as exc:  # no compiler / not x86-64 AVX2: the reason is the message
         if os.environ.get("CI") and platform.machine() == "x86_64":
             raise  # CI's machines can build it (.ci/run installs a compiler): never skip there
@@ -48,7 +49,7 @@ def _inputs(case, bias, seed=7):
 @pytest.mark.parametrize("case", ["mixed", "empty_slots", "maxlen"])
 def test_float64_output_and_gradients_vs_oracle(case, bias, tile):
     B = _fused_backend("float64")
-    ref = get_backend("torch", dtype="float64", hstu_kernel="reference")
+    ref = get_backend("torch", dtype="float64", ops={"attention": "reference"})
     layout, inputs, n = _inputs(case, bias)
     inputs["layout"] = layout.with_tiles(tile)
     a = B.asarray_tree(inputs)
@@ -118,12 +119,12 @@ def test_best_runs_fused_on_cpu_fp32_and_jagged_otherwise(monkeypatch):
 @pytest.mark.parametrize("n_items", [20, 5000])  # the chunked op's dense and row-gather formulations
 def test_sampled_logits_vs_oracle_and_the_chunked_op(dtype, n_items):
     """``TorchBackend.sampled_logits`` on CPU runs the fused op: output vs the float64 dot, and
-    output and both gradients vs the chunked torch Function (``backend.cpu_fused = false``), run
+    output and both gradients vs the chunked torch Function (``cpu_fused.OFF``), run
     twice to the same bits; ids as int32 with repeats (one id's gradient sums many positions)."""
     import torch
 
     fused = _fused_backend(dtype)
-    chunked = get_backend("torch", dtype=dtype, cpu_fused=False)
+    chunked = get_backend("torch", dtype=dtype, ops=UNFUSED)
     rng = np.random.default_rng(11)
     T, R, D = 1500, 7, 6  # T > one 1,024-row chunk of the chunked op
     user = rng.standard_normal((T, D))
@@ -146,7 +147,7 @@ def test_sampled_logits_vs_oracle_and_the_chunked_op(dtype, n_items):
 
 
 def test_sampled_logits_fused_op_is_the_one_running(monkeypatch):
-    """On CPU in fp32 the backend calls the fused op; with ``cpu_fused=False``, under a bf16 view
+    """On CPU in fp32 the backend calls the fused op; with ``cpu_fused.OFF``, under a bf16 view
     or off the CPU it does not."""
     import backends.cpu_fused as cpu_fused
 
@@ -157,7 +158,7 @@ def test_sampled_logits_fused_op_is_the_one_running(monkeypatch):
     rng = np.random.default_rng(2)
     user, items = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((9, 4)).astype(np.float32)
     ids = rng.integers(0, 9, (5, 3)).astype(np.int32)
-    on, off = get_backend("torch"), get_backend("torch", cpu_fused=False)
+    on, off = get_backend("torch"), get_backend("torch", ops=UNFUSED)
     for B, cast, used in ((on, None, True), (off, None, False), (on.with_precision("bf16"), "bfloat16", False)):
         calls.clear()
         u, it = B.asarray(user), B.asarray(items)
@@ -213,7 +214,7 @@ def test_16bit_sampled_logits_round_exactly_as_the_oracle(precision, monkeypatch
         out = backend.sampled_logits_16bit(u, it, torch.tensor(ids), torch.tensor(scale), precision)
         return [out.detach()] + list(torch.autograd.grad(out, [u, it], torch.tensor(cot)))
 
-    fused, again, chunked = run(B), run(B), run(get_backend("torch", cpu_fused=False))
+    fused, again, chunked = run(B), run(B), run(get_backend("torch", ops=UNFUSED))
     for x, y, z in zip(fused, again, chunked):
         assert torch.equal(x, y)
         assert rel_err(x.numpy(), z.numpy()) <= 1e-6

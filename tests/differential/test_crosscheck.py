@@ -111,10 +111,10 @@ def _crosscheck(*args, timeout=600):
 
 def test_crosscheck_runs_the_configured_kernel_and_catches_a_wrong_one(tmp_path):
     """Before: crosscheck built both sides with the dtype only, so a wrong kernel selected by
-    backend.hstu_kernel passed "all layers agree"."""
+    ops.attention passed "all layers agree"."""
     plugin = tmp_path / "wrong_kernel.py"
     plugin.write_text(_WRONG_KERNEL)
-    proc = _crosscheck("--plugin", str(plugin), "--set", "backend.hstu_kernel=wrong_on_purpose")
+    proc = _crosscheck("--plugin", str(plugin), "--set", "ops.attention=wrong_on_purpose")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "attention" in proc.stdout
 

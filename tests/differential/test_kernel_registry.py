@@ -1,5 +1,5 @@
 """The attention-kernel registry (backends/kernels.py) from a user's side: a kernel registered
-outside the package is selected by ``backend.hstu_kernel``, picked up by the differential suite
+outside the package is selected by ``ops.attention``, picked up by the differential suite
 and trained with by ``grf train``; kernels refuse options they do not support, by name."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_the_suite_catches_a_wrong_kernel():
     register_kernel("wrong", wrong, backends=("torch",))
     try:
         with pytest.raises(AssertionError, match="wrong forward"):
-            check_attention_kernel(get_backend("torch", hstu_kernel="wrong"), "mixed", with_bias=True)
+            check_attention_kernel(get_backend("torch", ops={"attention": "wrong"}), "mixed", with_bias=True)
     finally:
         unregister_kernel("wrong")
 
@@ -87,10 +87,10 @@ def _sets(items):
 def test_grf_train_runs_with_a_registered_kernel(loop_kernel, tmp_path):
     before = CALLS["loop"]
     out = tmp_path / "run"
-    args = ["train", "--config", "quickstart", "--quiet", "--out", str(out), "--set", "backend.hstu_kernel=loop"]
+    args = ["train", "--config", "quickstart", "--quiet", "--out", str(out), "--set", "ops.attention=loop"]
     assert main(args + _sets(TINY)) == 0
     assert CALLS["loop"] > before
-    assert 'hstu_kernel = "loop"' in (out / "config.toml").read_text()
+    assert 'attention = "loop"' in (out / "config.toml").read_text()
     assert 0.0 <= json.loads((out / "eval.json").read_text())["hr@10"] <= 1.0
 
 
@@ -106,17 +106,17 @@ def plugin_padded(B, q, k, v, layout, norm_len, bias):
 
 
 def test_grf_train_imports_a_kernel_plugin(tmp_path):
-    """``--plugin FILE`` registers the kernel before the config (and its hstu_kernel) is checked."""
+    """``--plugin FILE`` registers the kernel before the config (and its ops.attention) is checked."""
     plugin = tmp_path / "my_kernel.py"
     plugin.write_text(PLUGIN)
     out = tmp_path / "run"
     try:
         assert main(["train", "--config", "quickstart", "--quiet", "--out", str(out), "--plugin", str(plugin),
-                     "--set", "backend.hstu_kernel=plugin_padded"] + _sets(TINY)) == 0
+                     "--set", "ops.attention=plugin_padded"] + _sets(TINY)) == 0
         assert kernels.get_kernel("plugin_padded").runs_on("jax")
     finally:
         unregister_kernel("plugin_padded")
-    assert 'hstu_kernel = "plugin_padded"' in (out / "config.toml").read_text()
+    assert 'attention = "plugin_padded"' in (out / "config.toml").read_text()
 
 
 def test_default_resolves_per_backend():
@@ -124,28 +124,28 @@ def test_default_resolves_per_backend():
     assert kernels.default_kernel("jax") == "jagged"
     assert kernels.default_kernel("npu") == "auto"
     assert get_backend("torch").hstu_kernel == "best"
-    assert get_backend("torch", hstu_kernel="default").hstu_kernel == "best"
-    assert get_backend("jax", hstu_kernel="default").hstu_kernel == "jagged"
+    assert get_backend("torch", ops={"attention": "default"}).hstu_kernel == "best"
+    assert get_backend("jax", ops={"attention": "default"}).hstu_kernel == "jagged"
 
 
 @pytest.mark.parametrize("overrides, refused", [
-    (["backend.hstu_kernel=triton", "backend.dtype=float64"], "kernel 'triton' does not support backend.dtype='float64'"),
-    (["backend.hstu_kernel=triton", "backend.precision=fp16"], "kernel 'triton' does not support backend.precision='fp16'"),
-    (["backend.name=npu", "backend.hstu_kernel=mxrec"], "kernel 'mxrec' does not support the model's shapes: model.dqk=50"),
+    (["ops.attention=triton", "backend.dtype=float64"], "kernel 'triton' does not support backend.dtype='float64'"),
+    (["ops.attention=triton", "backend.precision=fp16"], "kernel 'triton' does not support backend.precision='fp16'"),
+    (["backend.name=npu", "ops.attention=mxrec"], "kernel 'mxrec' does not support the model's shapes: model.dqk=50"),
 ])
 def test_shipped_kernels_refuse_unsupported_options_by_name(overrides, refused):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     msg = str(info.value)
-    kernel_set = next(o for o in overrides if o.startswith("backend.hstu_kernel="))
-    assert msg.startswith(f"--set {kernel_set}: backend.hstu_kernel=") and refused in msg
+    kernel_set = next(o for o in overrides if o.startswith("ops.attention="))
+    assert msg.startswith(f"--set {kernel_set}: ops.attention=") and refused in msg
     assert "that support it: 'jagged', 'tiled', 'reference'" in msg  # the alternatives
 
 
 def test_refused_when_the_backend_is_built_too():
     """Code that builds a backend without a config gets the same refusal."""
     with pytest.raises(ConfigError, match="kernel 'triton' does not support backend.dtype='float64'"):
-        get_backend("torch", dtype="float64", hstu_kernel="triton")
+        get_backend("torch", dtype="float64", ops={"attention": "triton"})
 
 
 def test_a_registered_kernel_refuses_what_it_does_not_declare(tmp_path, capsys):
@@ -157,17 +157,17 @@ def test_a_registered_kernel_refuses_what_it_does_not_declare(tmp_path, capsys):
     try:
         with pytest.raises(ConfigError, match=r"kernel 'no_time' does not support model.time_bias=true: it has no "
                                               r"relative time bias; kernels for torch that support it: 'jagged'"):
-            load_config(None, ["backend.hstu_kernel=no_time"])
+            load_config(None, ["ops.attention=no_time"])
         with pytest.raises(ConfigError, match="kernel 'no_time' does not support model.attention_tile=0"):
-            load_config(None, ["backend.hstu_kernel=no_time", "model.time_bias=false", "model.attention_tile=0"])
-        cfg = load_config(None, ["backend.hstu_kernel=no_time", "model.time_bias=false"])
-        assert cfg.backend.hstu_kernel == "no_time"
+            load_config(None, ["ops.attention=no_time", "model.time_bias=false", "model.attention_tile=0"])
+        cfg = load_config(None, ["ops.attention=no_time", "model.time_bias=false"])
+        assert cfg.ops.attention == "no_time"
         # precision is checked where a backend is given one, too
         with pytest.raises(ConfigError, match="kernel 'no_time' does not support backend.precision='bf16'"):
-            get_backend("torch", hstu_kernel="no_time").with_precision("bf16")
+            get_backend("torch", ops={"attention": "no_time"}).with_precision("bf16")
         # and grf reports it as a user error (exit 2) naming the kernel and the option
         assert main(["train", "--config", "quickstart", "--quiet", "--out", str(tmp_path / "x"),
-                     "--set", "backend.hstu_kernel=no_time"] + _sets(TINY)) == 2
+                     "--set", "ops.attention=no_time"] + _sets(TINY)) == 2
         assert "kernel 'no_time' does not support model.time_bias=true" in capsys.readouterr().err
     finally:
         unregister_kernel("no_time")
@@ -176,17 +176,17 @@ def test_a_registered_kernel_refuses_what_it_does_not_declare(tmp_path, capsys):
 def test_registry_rules():
     with pytest.raises(ValueError, match="already registered"):
         register_kernel("jagged", lambda B, *a: None)
-    with pytest.raises(ValueError, match="'default' is not a kernel name"):
+    with pytest.raises(ValueError, match="'default' is not an implementation name"):
         register_kernel("default", lambda B, *a: None)
     with pytest.raises(ValueError, match="unknown dtype"):
         register_kernel("x", lambda B, *a: None, dtypes=("int8",))
     # the same function again (a module imported twice) is allowed
     register_kernel("jagged", kernels.get_kernel("jagged").source, tile_plan="used")
     with pytest.raises(ConfigError, match=r"the torch backend has no such kernel \(did you mean 'tiled'\?\)"):
-        get_backend("torch", hstu_kernel="tiles")
+        get_backend("torch", ops={"attention": "tiles"})
 
 
 def test_unknown_kernel_names_the_valid_ones():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["backend.hstu_kernel=flash"])
+        load_config(None, ["ops.attention=flash"])
     assert "valid for torch: 'default', 'jagged', 'tiled', 'reference', 'cpu_fused', 'best', 'triton'" in str(info.value)

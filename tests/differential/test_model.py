@@ -91,7 +91,7 @@ def _loss_and_grads(B, case):
 @functools.lru_cache(maxsize=None)
 def _reference_loss_and_grads(case):
     """The reference: the JAX backend with the padded reference attention."""
-    return _loss_and_grads(get_backend(REFERENCE_BACKEND, hstu_kernel="reference"), case)
+    return _loss_and_grads(get_backend(REFERENCE_BACKEND, ops={"attention": "reference"}), case)
 
 
 def check_model_kernel(B, case: str) -> None:

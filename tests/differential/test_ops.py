@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends import BackendUnavailable, get_backend
+from backends import BackendUnavailable, get_backend, ops
+from backends.cpu_fused import OFF as UNFUSED
 from backends.base import Backend, time_bucket_thresholds
 from gr_functional.errors import ConfigError
 
@@ -19,10 +20,13 @@ from .common import (FWD_TOL, GRAD_TOL, LAYOUT_CASES, attention_bias, attention_
 def test_kernel_op_list_is_covered():
     # shared_logsumexp: through the shared_pool / in_batch losses vs their float64 oracle on every
     # backend (test_losses.py) and torch's chunked form vs the reference (below)
-    tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum", "sampled_logits",
-              "sampled_logits_16bit", "shared_logsumexp", "relative_bias", "hstu_uvqk", "hstu_attention", "hstu_norm_mul",
-              "stu_attention", "add_head_bias"}
+    tested = {"silu", "layer_norm", "l2_normalize", "logsumexp", "gather_rows", "segment_sum",
+              "sampled_logits_reference", "sampled_logits_16bit_reference", "shared_logsumexp_reference",
+              "relative_bias", "hstu_uvqk", "hstu_norm_mul", "add_head_bias"}
     assert set(Backend.KERNEL_OPS) == tested
+    # the registry's ops: every implementation vs the reference in test_op_registry.py and
+    # (attention) test_attention_kernel_vs_padded_reference below
+    assert set(ops.OPS) == {"attention", "ranking_attention", "sampled_logits", "shared_logsumexp", "row_update"}
 
 
 def _assert_grads_agree(f, inputs):
@@ -110,7 +114,7 @@ def test_every_registered_kernel_builds_or_says_why(backend_name, kernel):
     Ascend NPU, a missing package): never another error."""
     if backend_name in backends_under_test():
         try:
-            B = get_backend(backend_name, hstu_kernel=kernel)
+            B = get_backend(backend_name, ops={"attention": kernel})
         except (BackendUnavailable, ConfigError) as exc:
             pytest.skip(f"kernel {kernel!r} on {backend_name}: {exc}")
         assert B.hstu_kernel == kernel
@@ -267,7 +271,7 @@ def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
     fine, coarse = layout.with_tiles(1), layout.with_tiles(12)  # 192 x 1 and 8 x 144 cells (capacities)
     calls = []
     for kernel in ("jagged", "tiled", "reference"):
-        B = get_backend("torch", hstu_kernel=kernel)
+        B = get_backend("torch", ops={"attention": kernel})
         B.jagged_min_work_ratio = 2.0
         B.hstu_attention_tiled = lambda *a, **k: calls.append((kernel, "tiled"))
         B.hstu_attention_padded = lambda *a, **k: calls.append((kernel, "padded"))
@@ -283,7 +287,7 @@ def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
 @pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
 def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, backend_name):
     """torch's row-chunked autograd.Function and JAX's blocked custom-gradient op vs the reference
-    formulation (Backend.sampled_logits) on the same backend: several chunks and a partial one,
+    formulation (Backend.sampled_logits_reference) on the same backend: several chunks and a partial one,
     repeated ids within a row, fp32 and bf16, outputs and gradients."""
     import importlib
 
@@ -300,7 +304,7 @@ def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, ba
     reference_ids = (lambda x: x.long()) if backend_name == "torch" else (lambda x: x)  # torch gathers want int64
     for dtype, tol in (("float32", FWD_TOL), ("bfloat16", 2e-2)):
         outs, grads = [], []
-        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits(B, u, i, reference_ids(x))):
+        for op in (B.sampled_logits, lambda u, i, x: Backend.sampled_logits_reference(B, u, i, reference_ids(x))):
             def loss(p, op=op):
                 out = B.cast(op(p["user"], p["items"], B.asarray(ids)), "float32")
                 return B.xp.sum(out * B.asarray(cot)), out
@@ -318,13 +322,13 @@ def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, ba
 @pytest.mark.parametrize("cpu_fused", [False, True])
 def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng, precision, cpu_fused):
     """torch's row-chunked 16-bit op (cpu_fused off; with it on, fp32 runs the fused C++ op and bf16
-    inputs the chunked one) vs the reference formulation (Backend.sampled_logits_16bit) over
+    inputs the chunked one) vs the reference formulation (Backend.sampled_logits_16bit_reference) over
     several chunks, repeated ids, fp32 and bf16 inputs: outputs and gradients."""
     import torch
 
     from backends import torch as torch_backend
 
-    B = get_backend("torch", cpu_fused=cpu_fused)
+    B = get_backend("torch", ops=None if cpu_fused else UNFUSED)
     T, N, R, D = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 5000, 16, 8
     user = rng.standard_normal((T, D)).astype(np.float32)
     items = (rng.standard_normal((N, D)) * 3).astype(np.float32)
@@ -334,7 +338,7 @@ def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng,
     cot = rng.standard_normal((T, R)).astype(np.float32)
     for dtype, tol in ((torch.float32, FWD_TOL), (torch.bfloat16, 2e-2)):
         outs, grads = [], []
-        for op in (B.sampled_logits_16bit, lambda *a: Backend.sampled_logits_16bit(B, *a)):
+        for op in (B.sampled_logits_16bit, lambda *a: Backend.sampled_logits_16bit_reference(B, *a)):
             u = torch.tensor(user, dtype=dtype, requires_grad=True)
             it = torch.tensor(items, dtype=dtype, requires_grad=True)
             out = op(u, it, torch.tensor(ids).long(), torch.tensor(scale), precision)
@@ -350,14 +354,14 @@ def test_torch_chunked_sampled_logits_16bit_matches_reference_across_chunks(rng,
 def test_torch_chunked_shared_logsumexp_matches_reference_across_chunks(rng, cpu_fused):
     """The shared-negatives logsumexp (shared_pool / in_batch losses): torch's row-chunked op
     (cpu_fused off; on, fp32 runs the fused C++ op, bf16 the chunked one) vs the reference
-    formulation (Backend.shared_logsumexp) over several chunks, with accidental hits, padding
+    formulation (Backend.shared_logsumexp_reference) over several chunks, with accidental hits, padding
     negatives and a bias, fp32 and bf16; outputs and all four gradients."""
     import torch
 
     from backends import torch as torch_backend
     from backends.base import Backend
 
-    B = get_backend("torch", cpu_fused=cpu_fused)
+    B = get_backend("torch", ops=None if cpu_fused else UNFUSED)
     T, R, D, scale = 2 * torch_backend.SAMPLED_LOGITS_CHUNK_ROWS + 37, 48, 8, 20.0
     user = (rng.standard_normal((T, D)) / np.sqrt(D)).astype(np.float32)
     negs = (rng.standard_normal((R, D)) / np.sqrt(D)).astype(np.float32)
@@ -369,7 +373,7 @@ def test_torch_chunked_shared_logsumexp_matches_reference_across_chunks(rng, cpu
     for dtype, tol in ((torch.float32, FWD_TOL), (torch.bfloat16, 2e-2)):
         outs, grads = [], []
         # the reference in fp32 on the same (rounded) inputs: the chunked op accumulates in fp32
-        for op, op_dtype in ((B.shared_logsumexp, dtype), (lambda *a: Backend.shared_logsumexp(B, *a), torch.float32)):
+        for op, op_dtype in ((B.shared_logsumexp, dtype), (lambda *a: Backend.shared_logsumexp_reference(B, *a), torch.float32)):
             x = [torch.tensor(a, dtype=dtype).to(op_dtype).requires_grad_() for a in (user, negs, pos, bias)]
             out = op(x[0], x[1], torch.tensor(neg_ids), torch.tensor(targets), x[2], x[3], scale, -5e4)
             (out.float() * torch.tensor(cot)).sum().backward()

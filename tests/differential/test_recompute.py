@@ -33,7 +33,7 @@ def _loss_and_grads(overrides):
 
 @pytest.mark.parametrize("backend_name,kernel,compile_", CASES)
 def test_recomputed_attention_equals_kept(backend_name, kernel, compile_):
-    base = [f"backend.name={backend_name}", f"backend.hstu_kernel={kernel}"]
+    base = [f"backend.name={backend_name}", f"ops.attention={kernel}"]
     if compile_:
         base.append("backend.compile=true")
     _, _, _, loss, grads = _loss_and_grads(base)
@@ -50,7 +50,7 @@ def test_recompute_keeps_less_for_backward_on_torch():
 
     kept = {}
     for on in ("false", "true"):
-        B, cfg, args, _, _ = _loss_and_grads(["backend.name=torch", "backend.hstu_kernel=tiled",
+        B, cfg, args, _, _ = _loss_and_grads(["backend.name=torch", "ops.attention=tiled",
                                               f"backend.attention_recompute={on}"])
         kept[on], kind = B.memory_profile(partial(train_step, B, cfg=cfg), *args)
         assert kind == "autograd_saved"
@@ -70,7 +70,7 @@ def test_recompute_adds_nothing_to_a_kernel_that_recomputes(kernel, monkeypatch)
     calls = []
     tiles = cpu_fused._fused_tiles()
     monkeypatch.setitem(cpu_fused._APPLY, "tiles", lambda *a: calls.append(1) or tiles(*a))
-    base = ["backend.name=torch", f"backend.hstu_kernel={kernel}"]
+    base = ["backend.name=torch", f"ops.attention={kernel}"]
     _, _, _, loss, grads = _loss_and_grads(base)
     assert len(calls) == 2  # model.num_blocks
     B, _, _, loss_rc, grads_rc = _loss_and_grads(base + ["backend.attention_recompute=true"])

@@ -137,16 +137,16 @@ def test_auto_falls_back_and_fbgemm_refuses():
 
 
 @pytest.mark.parametrize("sets, match", [
-    (["backend.row_kernel=fbgemm", "embedding.kind=hash", "embedding.optimizer=lazy_adam"], "table's step count"),
-    (["backend.row_kernel=fbgemm", "backend.name=jax"], "does not run on the jax backend"),
-    (["backend.row_kernel=auto"], "does not run on the torch backend"),
-    (["backend.row_kernel=fbgemm", "embedding.kind=hash", "embedding.optimizer=rowwise_adagrad",
+    (["ops.row_update=fbgemm", "embedding.kind=hash", "embedding.optimizer=lazy_adam"], "table's step count"),
+    (["ops.row_update=fbgemm", "backend.name=jax"], "does not run on the jax backend"),
+    (["ops.row_update=auto"], "does not run on the torch backend"),
+    (["ops.row_update=fbgemm", "embedding.kind=hash", "embedding.optimizer=rowwise_adagrad",
       "model.embed_dim=50"], "not a multiple of 4"),
 ])
 def test_config_refuses_row_kernels_by_name(sets, match):
     with pytest.raises(ConfigError, match=match) as err:
         grf.prepare("quickstart", sets)
-    assert "backend.row_kernel" in str(err.value)
+    assert "ops.row_update" in str(err.value)
 
 
 def test_training_with_fbgemm_equals_the_reference_kernel():
@@ -157,7 +157,7 @@ def test_training_with_fbgemm_equals_the_reference_kernel():
             "optim.weight_decay=0.01", "train.batch_size=8"]
     runs = []
     for kernel in ("reference", "fbgemm"):
-        exp = grf.prepare("quickstart", [*sets, f"backend.row_kernel={kernel}"])
+        exp = grf.prepare("quickstart", [*sets, f"ops.row_update={kernel}"])
         B = exp.backend()
         assert B.row_kernel == kernel
         params = B.asarray_tree(exp.init_params())

@@ -77,9 +77,9 @@ class _StandInNpu:
 
 
 def _build_npu_kernel(kind):
-    from backends import kernels
+    from backends import ops
 
-    return kernels.build(_StandInNpu(), kind)
+    return ops.build(_StandInNpu(), "attention", kind)
 
 
 def test_unknown_npu_kernel_lists_the_kinds():
@@ -99,7 +99,7 @@ def test_npu_default_kernel_is_auto():
 
 def test_select_triton_needs_triton_ascend():
     # upstream triton is installed here, not triton-ascend: the npu backend must refuse it
-    with pytest.raises(backends.BackendUnavailable, match="attention kernel 'triton' cannot run here.*not triton-ascend"):
+    with pytest.raises(backends.BackendUnavailable, match="ops.attention='triton' cannot run here.*not triton-ascend"):
         _build_npu_kernel("triton")
 
 

@@ -98,7 +98,7 @@ CORPUS = {
     # [hardening]: every value range-checked at parse time, errors name the --set, not the file
     "lr_nan": (None, ["optim.lr=nan"], ["--set optim.lr=nan: must be a finite number >= 0"]),
     "temperature_zero": (None, ["loss.temperature=0"], ["--set loss.temperature=0: must be > 0"]),
-    "kernel_flash": (None, ["backend.hstu_kernel=flash"], ["--set backend.hstu_kernel=flash", "'jagged'"]),
+    "kernel_flash": (None, ["ops.attention=flash"], ["--set ops.attention=flash", "'jagged'"]),
     "dtype_int8": (None, ["backend.dtype=int8"], ["--set backend.dtype=int8", "'float32', 'float64'"]),
     "max_len_zero": (None, ["model.max_len=0"], ["--set model.max_len=0: must be >= 1"]),
     "eval_batch_zero": (None, ["eval.batch_size=0"], ["--set eval.batch_size=0: must be >= 1"]),

@@ -212,7 +212,7 @@ def test_eval_imports_a_plugin_the_run_did_not_record(tmp_path):
     # registered by the training script itself, as an experiment script does: not recorded
     script = (f"import runpy, sys; runpy.run_path({str(plugin)!r}); from gr_functional.cli import main; "
               f"sys.exit(main(sys.argv[1:]))")
-    args = _args(out, "train.epochs=1", "backend.hstu_kernel=h3_plugin_kernel")
+    args = _args(out, "train.epochs=1", "ops.attention=h3_plugin_kernel")
     r = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
                        text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
