@@ -18,9 +18,11 @@ from .data import registry as datasets
 from .plugins import import_plugins, normalise
 
 
-def _backend_problems(cfg: Config) -> list[tuple[str, str, str]]:
+def execution_problems(cfg: Config) -> list[tuple[str, str, str]]:
+    """``(section, key, reason)``: the backend is not registered, or an ``[ops]`` choice cannot run
+    with it (what ``grf eval --backend`` checks of a run's config)."""
     name = cfg.backend.name
-    return [] if name in BACKENDS else [("backend", "name", BACKENDS.unknown_message(name))]
+    return [("backend", "name", BACKENDS.unknown_message(name))] if name not in BACKENDS else ops.config_problems(cfg)
 
 
 def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
@@ -33,7 +35,7 @@ def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
 
 
 # Each registry's check of its own section, in the order a user would fix them.
-CHECKS = (_backend_problems, task.check_config, model.check_config, ops.config_problems, losses.check_config,
+CHECKS = (execution_problems, task.check_config, model.check_config, losses.check_config,
           hooks.check_config, datasets.check_config, _optimizer_problems)
 
 

@@ -46,9 +46,9 @@ from backends import ops
 
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
                          check_finite, fault_point, read_checkpoint)
-from .config import Config, ConfigError, build_config, config_to_toml, replace
+from .config import Config, ConfigError, build_config, config_to_toml, problem_message, replace
 from .config import validate as config_validate
-from .configure import validate
+from .configure import execution_problems, validate
 from .errors import Diverged, DistributedError, PluginError, TrainingAborted  # noqa: F401 (re-exported)
 from .comm import LocalComm
 from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
@@ -375,7 +375,9 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
         # only what evaluation uses is checked: a plugin's loss need not be registered to evaluate
         build_config({"backend": {f.name: getattr(cfg.backend, f.name) for f in dataclasses.fields(cfg.backend)}},
                      source=f"--backend {backend}")
-        config_validate(cfg, source=f"--backend {backend}")  # the registries' checks, the ops' among them
+        config_validate(cfg, source=f"--backend {backend}")
+        for section, key, message in execution_problems(cfg):
+            raise ConfigError(problem_message(cfg, section, key, message, source=f"--backend {backend}"))
     B = make_backend(cfg)
     result = task.evaluate_checkpoint(B, cfg, ck, split)
     extra = {k: result.pop(k) for k in ("dataset", "task") if k in result}

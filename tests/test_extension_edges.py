@@ -129,7 +129,7 @@ def test_a_runs_old_config_toml_is_migrated(tmp_path):
     cfg = load_config(run / "config.toml")
     assert (cfg.loss.temperature, cfg.loss.num_negatives) == (0.07, 64)
     (tmp_path / "mine.toml").write_text("[model]\ntemperature = 0.07\n")
-    with pytest.raises(ConfigError, match=r"model.temperature moved to \[loss\]"):
+    with pytest.raises(ConfigError, match=r"model.temperature moved to loss.temperature"):
         load_config(tmp_path / "mine.toml")
 
 

@@ -112,9 +112,9 @@ def test_legacy_model_temperature_is_migrated_in_stored_configs_and_refused_in_u
     assert (cfg.loss.temperature, cfg.loss.num_negatives, cfg.loss.name) == (0.1, 32, "sampled_softmax")
     path = tmp_path / "old.toml"
     path.write_text("[model]\ntemperature = 0.1\n")
-    with pytest.raises(ConfigError, match=r"model.temperature moved to \[loss\]"):
+    with pytest.raises(ConfigError, match=r"model.temperature moved to loss.temperature"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"--set model.num_negatives=8: model.num_negatives moved to \[loss\]"):
+    with pytest.raises(ConfigError, match=r"--set model.num_negatives=8: model.num_negatives moved to loss.num_negatives"):
         load_config(None, ["model.num_negatives=8"])
 
 

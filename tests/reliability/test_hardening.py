@@ -342,7 +342,7 @@ def test_campaign_tracebacks_are_clear_errors(tmp_path, capsys, case):
         capsys.readouterr()
         code = main(["eval", "--checkpoint", str(tmp_path / "r" / "checkpoints" / "last.safetensors"),
                      "--backend", "foo"])
-        fragment = "'foo' is not one of 'torch', 'jax', 'npu'"
+        fragment = "--backend foo: backend.name='foo': no backend named 'foo' is registered"
     else:
         (tmp_path / "c.toml").write_text('[train]\nbatch_size = "16"\n')
         code = main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")])
