@@ -27,10 +27,6 @@ def execution_problems(cfg: Config) -> list[tuple[str, str, str]]:
 
 def _optimizer_problems(cfg: Config) -> list[tuple[str, str, str]]:
     problem = optimizers.check_config(cfg)
-    if problem is None and cfg.optim.name.startswith(optimizers.OPTAX_PREFIX):
-        # optax states are NamedTuples; a run's checkpoints hold dict trees (opt.step, opt.mu.*)
-        problem = ("optax optimizers train in your own loop (gr_functional.optimizers.from_optax); grf train "
-                   "checkpoints dict states: use one of " + ", ".join(map(repr, optimizers.names())))
     return [("optim", "name", problem)] if problem else []
 
 

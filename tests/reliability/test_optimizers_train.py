@@ -1,7 +1,7 @@
 """``optim.name`` in ``grf train``: each registered dense optimizer (gr_functional/optimizers) trains
 through the shared step, keeps its own state in the checkpoints, resumes bitwise after a SIGKILL,
-and takes effect (its trajectory is not AdamW's); a resume under another optimizer and an optax name
-are refused by name. The optimizers' math is tested in tests/differential/test_optimizers.py."""
+and takes effect (its trajectory is not AdamW's); an optax optimizer by name on JAX does the same; a
+resume under another optimizer and an optax name off JAX are refused by name. The optimizers' math is tested in tests/differential/test_optimizers.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from gr_functional.checkpoint import CheckpointDir, read_checkpoint
 from gr_functional.config import ConfigError
 from gr_functional.tree import tree_items
 
-from .common import metrics, run_grf, tiny_config
+from .common import grf_command, metrics, run_grf, tiny_config
 from .test_resume import CKPT, _run_until_fault
 
 STATE = {"adamw": {"mu", "nu"}, "adagrad": {"sum_of_squares"}, "sgd": {"trace"}, "lion": {"mu"}}
@@ -68,6 +68,26 @@ def test_unknown_and_optax_names_are_refused_by_name():
         tiny_config("optim.name=lino")
     with pytest.raises(ConfigError, match="optim.name='optax:adamw'.*JAX backend only"):
         tiny_config("optim.name=optax:adamw")
-    with pytest.raises(ConfigError, match="optim.name='optax:adamw'.*your own loop"):
-        tiny_config("optim.name=optax:adamw", "backend.name=jax")
+    assert tiny_config("optim.name=optax:adamw", "backend.name=jax").optim.name == "optax:adamw"
     assert json.dumps(tiny_config("optim.name=lion").optim.name) == '"lion"'
+
+
+def test_an_optax_optimizer_by_name_trains_checkpoints_and_resumes_bitwise_on_jax(tmp_path):
+    """``optim.name = "optax:adamw"`` on JAX: optax's state (NamedTuples) kept as dicts in the
+    checkpoints, a SIGKILLed run resumed to the uninterrupted run's bytes, and the same losses as
+    the project's AdamW to float32 noise (the same optimizer)."""
+    sets = ("optim.name=optax:adamw", "optim.lr=0.01", "train.epochs=2")
+    jax = ("--backend", "jax")
+    ref = tmp_path / "ref"
+    proc = run_grf(ref, *CKPT, *sets, args=jax)
+    assert proc.returncode == 0, proc.stderr
+    assert _opt_keys(ref) == {"step", "optax"}
+    out = tmp_path / "run"
+    _run_until_fault(out, "after-step@7", command=grf_command(out, *CKPT, *sets, args=jax))
+    proc = run_grf(out, *CKPT, *sets, args=jax)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    ours = tmp_path / "adamw"
+    assert run_grf(ours, *CKPT, "optim.lr=0.01", "train.epochs=2", args=jax).returncode == 0
+    assert np.allclose([r["loss"] for r in metrics(ref) if r["kind"] == "train"],
+                       [r["loss"] for r in metrics(ours) if r["kind"] == "train"], rtol=1e-4, atol=1e-6)
