@@ -7,8 +7,11 @@ module sits above the registries so that it can ask each of them.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import sys
 from pathlib import Path
+from typing import Any
 
 from backends import BACKENDS, ops
 
@@ -101,4 +104,61 @@ def _import_plugins(values: dict, source: str, origins: dict, extra: list) -> No
     import_plugins(train["plugins"], where=origins.get(("train", "plugins"), f"{source}: train.plugins"))
 
 
-__all__ = ["CHECKS", "check_registries", "load_config", "resolve", "validate"]
+# ----------------------------------------------------------------------------- what a run re-imports
+_PROJECT = ("gr_functional", "backends", "npu_ops")
+
+
+def used_names(cfg: Config) -> list[tuple[str, Any, str]]:
+    """``(config key, registry, name)`` of every registry name ``cfg`` selects."""
+    return [("model.task", task.TASKS, cfg.model.task), ("model.name", model.MODELS, cfg.model.name),
+            ("loss.name", losses.LOSSES, cfg.loss.name), ("data.dataset", datasets.DATASETS, cfg.data.dataset),
+            ("optim.name", optimizers.OPTIMIZERS, cfg.optim.name),
+            *[("train.hooks", hooks.HOOKS, name) for name in cfg.train.hooks],
+            *[(f"ops.{op}", ops.get_op(op).impls, name) for op, name in ops.choices(cfg).items()]]
+
+
+def _has_main_guard(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return any(isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+               and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+               for node in tree.body)
+
+
+def plugins_in_use(cfg: Config) -> tuple[str, ...]:
+    """The modules that registered the names ``cfg`` uses and that ``train.plugins`` does not list
+    (a model, loss or optimizer registered in the script that calls ``grf.fit``, or in a module it
+    imported): the entries to append to ``train.plugins``, so that a resume or ``grf eval`` imports
+    them again. A script (``__main__``) is listed as its file, which must keep its training under
+    ``if __name__ == "__main__":`` (importing it must not train again); a name registered where no
+    file holds it (an interactive session) is a ConfigError saying how to fix it."""
+    listed = set(cfg.train.plugins)
+    found: list[str] = []
+    for key, registry, name in used_names(cfg):
+        source = registry.source(name) if name in registry else None
+        module = sys.modules.get(getattr(source, "__module__", None) or "")
+        if module is None or module.__name__.split(".")[0] in _PROJECT:
+            continue
+        file = getattr(module, "__file__", None)
+        path = str(Path(file).resolve()) if file else None
+        if module.__name__ == "__main__":
+            if path is None or not Path(path).is_file():
+                raise ConfigError(f"{key}={name!r} is registered in an interactive session, which a resume or grf "
+                                  f"eval cannot import again: define it in a .py file and pass it with grf train "
+                                  f"--plugin FILE (or train.plugins)")
+            if not _has_main_guard(Path(path)):
+                raise ConfigError(f"{key}={name!r} is registered by the script {path}, which a resume or grf eval "
+                                  f"imports again to find it: put the script's training under `if __name__ == "
+                                  f"\"__main__\":` (importing it must not train), or move the registration to a module "
+                                  f"listed in train.plugins")
+            entry = path
+        elif module.__name__.startswith("grf_plugin_") and path:
+            entry = path  # a plugin file imported by path (plugins.import_plugins)
+        else:
+            entry = module.__name__
+        if entry not in listed and entry not in found:
+            found.append(entry)
+    return tuple(found)
+
+
+__all__ = ["CHECKS", "check_registries", "execution_problems", "load_config", "plugins_in_use", "resolve", "used_names",
+           "validate"]

@@ -83,6 +83,11 @@ class Registry(Generic[T]):
         self._origins[name] = (source, origin(source))
         return entry
 
+    def source(self, name: str) -> Any:
+        """The function or class that defines entry ``name`` (its module is where it was registered)."""
+        self._ensure_loaded()
+        return self._origins[name][0]
+
     def remove(self, name: str) -> None:
         self._entries.pop(name, None)
         self._origins.pop(name, None)

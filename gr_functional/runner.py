@@ -48,7 +48,7 @@ from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteSt
                          check_finite, fault_point, read_checkpoint)
 from .config import Config, ConfigError, build_config, config_to_toml, problem_message, replace
 from .config import validate as config_validate
-from .configure import execution_problems, validate
+from .configure import execution_problems, plugins_in_use, validate
 from .errors import Diverged, DistributedError, PluginError, TrainingAborted  # noqa: F401 (re-exported)
 from .comm import LocalComm
 from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
@@ -99,6 +99,8 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     cfg = replace(cfg, train={"plugins": tuple(normalise(e) for e in cfg.train.plugins)})
     import_plugins(cfg.train.plugins)
     validate(cfg)
+    # what the script calling grf.fit registered itself: recorded, so a resume or grf eval finds it
+    cfg = replace(cfg, train={"plugins": cfg.train.plugins + plugins_in_use(cfg)})
     task = get_task(cfg.model.task)
     world = world_size()
     task.check(cfg, world)

@@ -46,3 +46,71 @@ def test_a_plugin_model_and_optimizer_train_resume_and_evaluate(tmp_path):
     got = json.loads(ev.stdout)
     want = json.loads((ref / "eval.json").read_text())["last_epoch_test"]
     assert abs(got["hr@10"] - want["hr@10"]) < 1e-9
+
+
+SCRIPT = '''
+import sys
+
+import numpy as np
+
+import gr_functional as grf
+from gr_functional import optimizers as O
+
+
+def init_params(cfg, seed=0, num_items=None):
+    params = grf.model.init_params(cfg, seed=seed, num_items=num_items)
+    params["scale"] = np.ones((1,), dtype=np.float32)
+    return params
+
+
+def param_shapes(cfg, num_items=None):
+    return {**grf.model.param_shapes(cfg, num_items), "scale": (1,)}
+
+
+@grf.model.register_model("scaled_hstu", init_params=init_params, param_shapes=param_shapes)
+def encode(B, params, batch, cfg, trace=None):
+    return grf.model.encode(B, params, batch, cfg, trace) * params["scale"]
+
+
+@O.register_optimizer("plain_sgd")
+def plain_sgd(cfg, learning_rate):
+    return O.sgd(learning_rate)
+
+
+GUARD
+    cfg = grf.load_config("experiments/configs/quickstart.toml", [*sys.argv[2:], "model.name=scaled_hstu", "optim.name=plain_sgd"])
+    grf.fit(cfg, sys.argv[1], progress=False)
+'''
+
+
+def _script(tmp_path, guarded: bool):
+    path = tmp_path / ("fit_script.py" if guarded else "unguarded.py")
+    path.write_text(SCRIPT.replace("GUARD", 'if __name__ == "__main__":' if guarded else "if True:"))
+    return path
+
+
+def _fit(script, out, *sets):
+    return subprocess.run([sys.executable, str(script), str(out), *CKPT, *sets], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_grf_fit_records_the_script_that_registered_its_model_and_optimizer(tmp_path):
+    """``grf.fit`` called by a script that registers its own model and optimizer: the script is
+    recorded in train.plugins, so ``grf eval`` in a new process and a resume find them again; a
+    script that would train again when imported is refused, saying how to fix it."""
+    script, out = _script(tmp_path, guarded=True), tmp_path / "run"
+    proc = _fit(script, out, "train.epochs=1")
+    assert proc.returncode == 0, proc.stderr
+    assert str(script.resolve()) in (out / "config.toml").read_text()
+    ev = subprocess.run([sys.executable, "-m", "gr_functional.cli", "eval", "--checkpoint",
+                         str(out / "checkpoints" / "last.safetensors")],
+                        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    assert abs(json.loads(ev.stdout)["hr@10"] - json.loads((out / "eval.json").read_text())["last_epoch_test"]["hr@10"]) < 1e-9
+    again = subprocess.run([sys.executable, "-m", "gr_functional.cli", "train", "--config", str(out / "config.toml"),
+                            "--out", str(out), "--quiet"], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                           text=True, timeout=300)  # a new process: the run's own config names the script
+    assert again.returncode == 0, again.stderr
+
+    proc = _fit(_script(tmp_path, guarded=False), tmp_path / "bad", "train.epochs=1")
+    assert proc.returncode != 0 and "if __name__ == \"__main__\":" in proc.stderr and "model.name='scaled_hstu'" in proc.stderr
