@@ -5,7 +5,8 @@
               [--resume | --fresh]   (default: resume from DIR/checkpoints when it holds a valid one)
               [--nproc N]            (N > 1: data-parallel on this host through torch.distributed.run)
     grf eval --checkpoint PATH [--backend B] [--split test|valid] [--plugin my_loss.py ...]
-    grf crosscheck --config FILE --backends jax,torch [--json] [--set key=value ...]
+    grf crosscheck --config FILE --backends jax,torch [--steps N [--out DIR]] [--json] [--set key=value ...]
+    grf crosscheck --checkpoint OUT/checkpoints/last.safetensors --backends jax,torch [--split valid]
     grf data fetch ml-1m | grf data info
     grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
     grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
@@ -25,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -241,27 +243,45 @@ def cmd_eval(args) -> int:
 
 def cmd_crosscheck(args) -> int:
     from . import model
-    from .config import replace
-    from .crosscheck import backend_as_trained, crosscheck, random_batch
-    from .retrieval.task import load_sequences, resolve
+    from .crosscheck import (backend_as_trained, checkpoint_evaluations, config_as_trained, crosscheck, first_batch,
+                             trajectory)
 
-    cfg = _load(args)
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     if len(names) != 2:
         raise SystemExit("grf crosscheck: --backends takes two names, e.g. --backends jax,torch")
+    if args.checkpoint:
+        if args.config or args.steps:
+            raise SystemExit("grf crosscheck: --checkpoint evaluates a trained run with its own config; drop --config "
+                             "and --steps")
+        report = checkpoint_evaluations(args.checkpoint, names, split=args.split, **_tol(args))
+        return _crosscheck_result(report, args)
+    if not args.config:
+        raise SystemExit("grf crosscheck: give --config FILE (one batch, or --steps N of training) or --checkpoint PATH")
+    cfg = _load(args)
+    if args.steps:
+        for name in names:
+            config_as_trained(cfg, name)  # refused before either side trains
+        if args.out:
+            report = trajectory(cfg, names, args.steps, Path(args.out), **_tol(args))
+        else:
+            with tempfile.TemporaryDirectory(prefix="grf-crosscheck-") as tmp:
+                report = trajectory(cfg, names, args.steps, Path(tmp), **_tol(args))
+        return _crosscheck_result(report, args)
     backends = [backend_as_trained(cfg, n) for n in names]
-    if cfg.model.num_items == 0 or cfg.data.dataset != "synthetic":
-        from .data import batching, split
-
-        data = load_sequences(cfg)
-        cfg = resolve(cfg, data)
-        cfg = replace(cfg, train={"batch_size": args.users, "max_tokens": 0})
-        train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
-        batch = next(iter(train_loader.epoch(0)))
-    else:
-        batch = random_batch(cfg, seed=cfg.train.seed, num_users=args.users)
+    if cfg.model.task != "retrieval":
+        raise SystemExit(f"grf crosscheck: the layer-by-layer check runs the retrieval model; for model.task="
+                         f"{cfg.model.task!r} use --steps N (training on both) or --checkpoint PATH")
+    cfg, batch = first_batch(cfg, args.users)
     params = model.model_of(cfg.model).init_params(cfg.model, seed=cfg.train.seed)
-    report = crosscheck(backends, params, batch, cfg)
+    return _crosscheck_result(crosscheck(backends, params, batch, cfg, **_tol(args, "fwd_tol", "grad_tol")), args)
+
+
+def _tol(args, *keys: str) -> dict:
+    """``--tol`` for the given keyword(s) of the check (each check's default otherwise)."""
+    return {} if args.tol is None else {key: args.tol for key in (keys or ("tol",))}
+
+
+def _crosscheck_result(report, args) -> int:
     print(report.to_json() if args.json else report.to_table())
     return 0 if report.ok else 1
 
@@ -379,8 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "losses, datasets or kernels the run used (besides its train.plugins; repeatable)")
     e.set_defaults(fn=cmd_eval)
 
-    c = sub.add_parser("crosscheck", help="compare two backends layer by layer on the same params and batch")
-    c.add_argument("--config", required=True)
+    c = sub.add_parser("crosscheck", help="compare two backends: layer by layer on one batch, over N training "
+                                          "steps (--steps), or on a trained checkpoint's evaluation (--checkpoint)")
+    c.add_argument("--config", help="the run's config (one batch, or --steps N of training)")
+    c.add_argument("--steps", type=int, default=0,
+                   help="train N steps on each backend as grf train would and compare the losses step by step and "
+                        "the parameters after the last (default 0: one batch, layer by layer)")
+    c.add_argument("--out", help="with --steps: keep the two runs in OUT/REFERENCE and OUT/OTHER (default: a "
+                                 "temporary folder)")
+    c.add_argument("--checkpoint", help="evaluate this trained checkpoint on both backends and compare every metric")
+    c.add_argument("--split", default="test", choices=("test", "valid"), help="split for --checkpoint (default test)")
+    c.add_argument("--tol", type=float, help="relative tolerance (defaults: 1e-6 activations, 1e-5 gradients, 1e-4 "
+                                             "after --steps, 1e-3 for --checkpoint metrics)")
     c.add_argument("--backends", default="jax,torch", help="reference,other (default jax,torch)")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",

@@ -1,4 +1,6 @@
-"""Cross-backend check: same params, same batch, two backends, a per-layer error table.
+"""Cross-backend check: same params, same batch, two backends, a per-layer error table; or the same
+N-step training on both (``trajectory``: losses and parameters), or one trained checkpoint evaluated
+on both (``checkpoint_evaluations``).
 
 Rows come in the order a bug propagates: forward activations (input, each block's uvqk,
 attention, norm_mul and output, the final output, the loss), then parameter gradients in
@@ -7,8 +9,11 @@ Error measures (per tensor): ``max_abs = max|a - ref|`` and ``rel = max_abs / ma
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -23,11 +28,13 @@ from .tree import tree_items
 
 FWD_TOL = 1e-6
 GRAD_TOL = 1e-5
+TRAJ_TOL = 1e-4    # losses and parameters after N float32 steps (tests/differential: 50 steps)
+METRIC_TOL = 1e-3  # a checkpoint's ranking metrics on two backends
 
 
 @dataclasses.dataclass
 class Row:
-    kind: str        # "activation" | "gradient"
+    kind: str        # "activation" | "gradient" | "loss" | "param" | "metric"
     name: str
     max_abs: float
     rel: float
@@ -140,15 +147,88 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
                       negatives=negatives_for(cfg, popularity))
 
 
-def backend_as_trained(cfg: Config, name: str):
-    """Backend ``name`` built exactly as ``grf train --backend name`` would build it from ``cfg``:
-    the config's kernel, row kernel, device and determinism where they run on ``name`` (the
-    config's own backend gets them all; the other side keeps what it supports, else its default),
-    checked as train checks them, so a wrong kernel or device is refused or compared, not skipped."""
+def config_as_trained(cfg: Config, name: str) -> Config:
+    """``cfg`` as ``grf train --backend name`` would run it: the config's ops, device and
+    determinism where they run on ``name`` (the config's own backend gets them all; the other side
+    keeps what it supports, else its default), checked as train checks them, so a wrong kernel or
+    device is refused or compared, not skipped."""
     if name == cfg.backend.name:
         side = cfg
     else:
         side = replace(cfg, backend={"name": name, "device": "", "compile": False},
                        ops={**ops.portable(ops.choices(cfg), name), "row_update": "default"})
     validate(side, source=f"--backends {name}")
-    return make_backend(side)
+    return side
+
+
+def backend_as_trained(cfg: Config, name: str):
+    """The backend ``grf train --backend name`` would build from ``cfg`` (``config_as_trained``)."""
+    return make_backend(config_as_trained(cfg, name))
+
+
+def trajectory(cfg: Config, names, steps: int, out: Path, tol: float = TRAJ_TOL) -> Report:
+    """Train ``steps`` steps of ``cfg`` on each of ``names`` (reference first) exactly as ``grf
+    train`` runs them (``runner.train`` into ``out/NAME``: the same seed, batches, negatives and
+    optimizer), then compare the losses step by step and every parameter after the last step.
+    Losses and parameters drift apart slowly under float32 noise: ``tol`` is relative."""
+    from .checkpoint import read_checkpoint
+    from .runner import train
+
+    losses, params = [], []
+    for name in names:
+        side = replace(config_as_trained(cfg, name),
+                       train={"max_steps": steps, "log_every": 1, "checkpoint_every": 0})
+        folder = Path(out) / name
+        with contextlib.redirect_stdout(sys.stderr):  # the epoch lines: stdout is the report
+            train(side, folder, progress=False, resume="never")
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in records if r.get("kind") == "train"])
+        params.append(dict(tree_items(read_checkpoint(folder / "checkpoints" / "last.safetensors").params)))
+    (ref_loss, loss), (ref_params, got) = losses, params
+    rows = [Row("loss", f"step {i + 1}", *_compare(np.float64(b), np.float64(a)), tol)
+            for i, (a, b) in enumerate(zip(ref_loss, loss))]
+    if len(ref_loss) != len(loss):
+        rows.append(Row("loss", f"steps run: {len(ref_loss)} vs {len(loss)}", float("inf"), float("inf"), tol))
+    for path in sorted(ref_params, key=_grad_order):
+        rows.append(Row("param", path, *(_compare(got[path], ref_params[path]) if path in got
+                                         else (float("inf"), float("inf"))), tol))
+    return Report(tuple(names), rows)
+
+
+def checkpoint_evaluations(path: str | Path, names, split: str = "test", tol: float = METRIC_TOL,
+                           users: int = 32) -> Report:
+    """One trained checkpoint on each of ``names``: its evaluation (``runner.evaluate_checkpoint``:
+    the run's own config, its ops where they run there), every metric compared (ranking metrics move
+    only when float noise swaps two scores: ``tol``, relative, is looser than a layer's); and, for a
+    dense retrieval model, its trained parameters layer by layer on a batch of ``users`` sequences
+    of its training data (``crosscheck``), where a kernel that barely moves a metric shows."""
+    from .checkpoint import read_checkpoint
+    from .runner import evaluate_checkpoint
+
+    results = [evaluate_checkpoint(path, backend=name, split=split) for name in names]
+    ref, got = results
+    rows = [Row("metric", key, *_compare(np.float64(got[key]), np.float64(value)), tol)
+            for key, value in ref.items()
+            if isinstance(value, float) and key in got]
+    ck = read_checkpoint(path)
+    cfg = ck.config
+    if cfg.model.task == "retrieval" and cfg.embedding.kind == "dense":
+        backends = [backend_as_trained(cfg, name) for name in names]
+        data_cfg, batch = first_batch(cfg, users)
+        rows += crosscheck(backends, ck.params, batch, data_cfg).rows
+    return Report(tuple(names), rows)
+
+
+def first_batch(cfg: Config, users: int) -> tuple[Config, HSTUBatch]:
+    """``(cfg resolved against its data, a training batch of users sequences)``: the first batch of
+    the config's data (its own split and loader), or random histories for a synthetic config with a
+    catalogue size (``random_batch``)."""
+    if cfg.model.num_items == 0 or cfg.data.dataset != "synthetic":
+        from .data import batching, split
+        from .retrieval.task import load_sequences, resolve
+
+        data = load_sequences(cfg)
+        cfg = replace(resolve(cfg, data), train={"batch_size": users, "max_tokens": 0})
+        train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
+        return cfg, next(iter(train_loader.epoch(0)))
+    return cfg, random_batch(cfg, seed=cfg.train.seed, num_users=users)
