@@ -54,7 +54,7 @@ def _optimizers(name: str, supported: tuple[str, ...], *, width_limits: bool = F
     return check
 
 
-ops.register("row_update", "reference", rowopt.reference_row_update, backends=("jax", "torch", "npu"),
+ops.register("row_update", "reference", rowopt.reference_row_update,
              check=_optimizers("reference", ("lazy_adam", "rowwise_adagrad")),
              doc="the formulas of embedding/rowopt.py on B.xp: the oracle")
 
