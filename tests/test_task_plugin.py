@@ -74,3 +74,15 @@ def test_an_unregistered_task_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="model.task='rankin'.*did you mean 'ranking'"):
         load_config(None, ["model.task=rankin"])
+
+
+def test_the_plugin_task_trains_on_jax_as_on_torch(tmp_path):
+    """Its batch dataclass is a JAX pytree without registration (backends/jax.py registers the
+    dataclasses a step is given): the same losses on both backends to float32 noise."""
+    losses = {}
+    for backend in ("jax", "torch"):
+        out = tmp_path / backend
+        proc = _grf(*_train_command(out, "train.epochs=1"), "--backend", backend)
+        assert proc.returncode == 0, proc.stderr
+        losses[backend] = [r["loss"] for r in metrics(out) if r["kind"] == "train"]
+    assert losses["jax"] and losses["jax"] == pytest.approx(losses["torch"], rel=1e-5)
