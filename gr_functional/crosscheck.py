@@ -21,8 +21,10 @@ from backends import ops
 
 from . import model
 from .batch import HSTUBatch
+from .checkpoint import read_checkpoint
 from .config import Config, replace
 from .configure import validate
+from .runner import evaluate_checkpoint, train
 from .runtime import make_backend
 from .tree import tree_items
 
@@ -171,9 +173,6 @@ def trajectory(cfg: Config, names, steps: int, out: Path, tol: float = TRAJ_TOL)
     train`` runs them (``runner.train`` into ``out/NAME``: the same seed, batches, negatives and
     optimizer), then compare the losses step by step and every parameter after the last step.
     Losses and parameters drift apart slowly under float32 noise: ``tol`` is relative."""
-    from .checkpoint import read_checkpoint
-    from .runner import train
-
     losses, params = [], []
     for name in names:
         side = replace(config_as_trained(cfg, name),
@@ -202,9 +201,6 @@ def checkpoint_evaluations(path: str | Path, names, split: str = "test", tol: fl
     only when float noise swaps two scores: ``tol``, relative, is looser than a layer's); and, for a
     dense retrieval model, its trained parameters layer by layer on a batch of ``users`` sequences
     of its training data (``crosscheck``), where a kernel that barely moves a metric shows."""
-    from .checkpoint import read_checkpoint
-    from .runner import evaluate_checkpoint
-
     results = [evaluate_checkpoint(path, backend=name, split=split) for name in names]
     ref, got = results
     rows = [Row("metric", key, *_compare(np.float64(got[key]), np.float64(value)), tol)
