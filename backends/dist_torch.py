@@ -23,7 +23,7 @@ gr_functional imports no array library, so the runner and the distributed train 
   fail(message)                  publish this rank's fatal error so peers stop at once
   shutdown()
 
-Failure detection (README "Distributed training" / "Failure behaviour"). A watchdog thread per
+Failure detection (docs/guides/distributed.md "Distributed training" / "Failure behaviour"). A watchdog thread per
 rank, independent of the training step, writes a heartbeat (a counter, the main thread's progress
 counter, step and phase) to the rendezvous store every ``interval`` seconds and reads everyone
 else's. Nothing is judged on another host's clock: a peer's heartbeat is "unchanged for t

@@ -61,13 +61,13 @@ class JaxBackend(Backend):
         self._jax = jax
         self.xp = jnp
         self._device = jax.devices(device)[0] if device else None
-        # measured crossover of the tiled kernel vs the padded one (README "Speed")
+        # measured crossover of the tiled kernel vs the padded one (docs/results/speed.md "Speed")
         self.jagged_min_work_ratio = 2.0 if (self._device or jax.devices()[0]).platform == "cpu" else 1.0
         self.use_ops(ops)
 
     # XLA CPU's concurrency-optimized scheduler moves a recomputed attention early, keeping
     # what recompute means to drop: without it the recomputation saves 2.1-2.3x of the temp
-    # buffers at no measured step cost (README "Recomputed attention")
+    # buffers at no measured step cost (docs/results/speed.md "Recomputed attention")
     LOW_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
     @classmethod
@@ -189,7 +189,7 @@ class JaxBackend(Backend):
         (``_chunked_sampled_logits``), as the torch backend does. Why: differentiated whole, the
         dense path's gradient is a zero-filled ``[T, N]`` matrix and a scatter into it; XLA on CPU
         spent more time filling it (137 ms) than computing the forward scores (98 ms) on an ML-1M
-        HSTU-large step (xprof trace, README "Speed")."""
+        HSTU-large step (xprof trace, docs/results/speed.md "Speed")."""
         dense = items.shape[0] <= self.DENSE_LOGITS_MAX_RATIO * ids.shape[1]
         return _chunked_sampled_logits(self._jax, dense)(user, items, ids)
 

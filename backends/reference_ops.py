@@ -287,7 +287,7 @@ class ReferenceOps:
         """Static (shapes only, so a jit-time choice): does the tile plan save enough work?
         ``B_cap max_len^2 >= jagged_min_work_ratio * P_cap tile^2``. Tiles cost more per cell
         than one dense matrix (gathers, small matmuls); on CPU they won only from about 2x less
-        work (README "Speed"), on GPUs already at 1.6x."""
+        work (docs/results/speed.md "Speed"), on GPUs already at 1.6x."""
         plan = layout.tiles
         padded = layout.b_cap * layout.max_len ** 2
         return padded >= self.jagged_min_work_ratio * plan.pair_q.shape[0] * plan.tile ** 2

@@ -1,5 +1,5 @@
 """Row-sparse update kernels: op "row_update" of the op registry (backends/ops.py), selected by
-``ops.row_update`` (README "Sparse embeddings").
+``ops.row_update`` (docs/guides/sparse-embeddings.md "Sparse embeddings").
 
 A row kernel computes ``rowopt.row_update``: the new values and optimizer state of the U rows a
 step looked up (``B.row_update(name, values[U, D], grads[U, D], state_rows, touched[U], lr, cfg)``).

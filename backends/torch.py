@@ -45,7 +45,7 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"backend 'torch' on device {device!r}: this torch ({torch.__version__}) "
                                      f"sees no CUDA GPU; use backend.device=cpu, or install a CUDA build of "
                                      f"torch on a machine with a GPU")
-        # measured crossover of the tiled kernel vs the padded one (README "Speed")
+        # measured crossover of the tiled kernel vs the padded one (docs/results/speed.md "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
         self.use_ops(ops)
         self.compile = bool(compile)

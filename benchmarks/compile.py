@@ -1,5 +1,5 @@
 """``grf bench compile [--json]``: the train step eager vs ``backend.compile`` (torch.compile of the
-loss) on each config of ``step.STEP_CONFIGS``, torch, the README "Speed" table.
+loss) on each config of ``step.STEP_CONFIGS``, torch, the docs/results/speed.md "Speed" table.
 
 After one step each (the compiled one compiles in it: ``compile_s``), eager and compiled steps
 ALTERNATE on the same batch (``step.alternate_steps``), so both see the same load on a shared machine (a benchmark that

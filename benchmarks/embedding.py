@@ -1,4 +1,4 @@
-"""``grf bench embedding``: the sparse side's costs on this machine (README "Sparse embeddings").
+"""``grf bench embedding``: the sparse side's costs on this machine (docs/guides/sparse-embeddings.md "Sparse embeddings").
 
 Sections (one JSON line per measurement with ``--json``):
 

@@ -9,7 +9,7 @@ tokens/s over the sampled softmax's, measured in the same run) and ``negative_by
 of the negative rows the loss reads per step (``[T, R, D]`` private or ``[R, D]`` pooled values at 4
 or 2 bytes each, plus a 4-byte scale per sequence or per pool when 16-bit), mean over the timed
 steps. Quality is a training run's
-business: README "Negatives" has the HR@10 of each variant with the commands.
+business: docs/guides/negatives-and-overlap.md "Negatives" has the HR@10 of each variant with the commands.
 """
 from __future__ import annotations
 

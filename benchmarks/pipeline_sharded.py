@@ -4,7 +4,7 @@ hides of a row-sharded table's exchanges, on 2 local gloo ranks (CPU, one thread
 Each row runs ``grf train --nproc 2`` for ``train.max_steps`` steps with the item table
 row-sharded (``embedding.sharding = "row"``, lazy Adam, ``embedding.staleness = 1``) and
 ``train.prefetch`` 0 (every exchange in the step) or 2 (ids exchanged on the prefetch worker; the
-due update and the next step's lookup on the sparse worker, README "Batches built ahead"), with
+due update and the next step's lookup on the sparse worker, docs/guides/negatives-and-overlap.md "Batches built ahead"), with
 ``GRF_FAULT_EXCHANGE_DELAY_S`` 0 (two ranks on one host: exchanges take microseconds) or
 ``delay`` seconds added to every all-to-all, standing in for a network's latency (a background
 exchange's delay runs in the background). From OUT/timing.jsonl, over the steps after ``warmup``:

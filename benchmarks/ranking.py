@@ -8,7 +8,7 @@ on the same loader batches, through what ``grf train`` runs (``RankingSteps``: h
 shared normaliser of accumulated micro-batches); rows report the median step seconds, the tokens
 and candidates of a step, tokens/s and ``vs_fp32`` (this variant's tokens/s over the fp32 step's,
 same backend, same run). 16-bit pays on accelerators with fast 16-bit matmuls; on a CPU without
-them it costs casts. Quality is a training run's business (README "Ranking").
+them it costs casts. Quality is a training run's business (docs/guides/ranking.md "Ranking").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``grf bench recompute [--json] [--backend torch,jax]``: the training step with and without
 ``backend.attention_recompute`` on each config of ``step.STEP_CONFIGS`` (tiled attention), the
-README "Recomputed attention" table.
+docs/results/speed.md "Recomputed attention" table.
 
 Per backend and config: what the step keeps for backward (``Backend.memory_profile`` of
 ``step.train_step``: autograd-saved bytes on torch CPU, XLA temp buffers on JAX, peak allocated on

@@ -19,7 +19,7 @@ The model, per rank and step, R ranks, ``node`` ranks per node, uniform id owner
                      reductions' tree (taken for all, an upper bound)
   step               compute + host + all-to-all + all-reduce (serial), or max(compute, host,
                      all-to-all + all-reduce) (overlapped: the pipeline and bounded staleness of
-                     README "Negatives and overlap"); "device" efficiencies leave the host out
+                     docs/guides/negatives-and-overlap.md "Negatives and overlap"); "device" efficiencies leave the host out
   efficiency(R)      step(1) / step(R): per-accelerator throughput kept at R (weak scaling)
 
 On this machine ranks share 2 cores, so compute, host and the rest of the step are scaled by

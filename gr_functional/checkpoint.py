@@ -7,7 +7,7 @@ loads on JAX and vice versa. The safetensors metadata holds:
 
   format     "gr-functional/2" ("gr-functional/1" files, without checksums, still load)
   config     the resolved config as TOML
-  meta       JSON: step, epoch, backend, precision, loader position, run state (README "Reliability")
+  meta       JSON: step, epoch, backend, precision, loader position, run state (docs/guides/reliability.md "Reliability")
   checksums  JSON manifest: sha256 of every tensor's bytes and of the config + meta strings
 
 so every file validates itself: a truncated file fails to parse and a flipped bit fails a

@@ -85,7 +85,7 @@ class DataConfig:
     # Item ids remapped to 1..K (K distinct ids, in increasing order of the original id): for raw ids
     # that are hashes or sparse (a table of max_id + 1 rows would not fit).
     remap_items: bool = False
-    # Order of a user's events that share a timestamp (README "Data: ties"): "file" keeps the file's
+    # Order of a user's events that share a timestamp (docs/guides/data.md "Data: ties"): "file" keeps the file's
     # order (a stable sort); "shuffle" permutes each run of same-second events with a generator
     # seeded by ties_seed (GR sorts with pandas' unstable quicksort: its tie order is arbitrary,
     # and ML-1M's file order carries a signal: tied events tend to have increasing movie ids).
@@ -108,7 +108,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     # "retrieval": GR's research HSTU (the keys below, [loss], [embedding]); "ranking": GR's
-    # dlrm_v3 HSTU ranking model, configured in [ranking] (gr_functional/ranking/, README "Ranking").
+    # dlrm_v3 HSTU ranking model, configured in [ranking] (gr_functional/ranking/, docs/guides/ranking.md "Ranking").
     task: str = "retrieval"           # a registered task (gr_functional/task.py): "retrieval", "ranking", a plugin's
     # the retrieval model, a registered name (gr_functional/model.py register_model): "hstu" (GR's
     # research HSTU, the keys below), or a plugin's
@@ -216,7 +216,7 @@ class TrainConfig:
     max_steps: int = _range(0, ge=0)  # stop after this many steps (0 = no limit)
     eval_every: int = _range(1, ge=1)  # epochs between evaluations
     log_every: int = _range(10, ge=1)  # steps between metrics.jsonl lines
-    # Checkpoints (README "Reliability"): one at the end of every epoch and of the run, plus one
+    # Checkpoints (docs/guides/reliability.md "Reliability"): one at the end of every epoch and of the run, plus one
     # every checkpoint_every optimizer steps (0 = epoch ends only). Each is an atomic, checksummed
     # OUT/checkpoints/step-NNNNNNNN.safetensors; the newest keep_checkpoints are kept (0 = all).
     checkpoint_every: int = _range(0, ge=0)
@@ -270,12 +270,12 @@ class BackendConfig:
     # torch.compile the training loss (model forward; its backward through AOTAutograd): inductor's
     # C++/OpenMP kernels on CPU, Triton on CUDA; the chunked loss ops stay eager. torch only (JAX
     # always jit-compiles its step); the first steps of each new batch shape compile (~30-60 s on
-    # 2 CPU cores). README "Speed" has the measured gain.
+    # 2 CPU cores). docs/results/speed.md "Speed" has the measured gain.
     compile: bool = False
     # Recompute the attention in backward instead of keeping it (activation checkpointing of
     # hstu_attention: torch.utils.checkpoint / jax.checkpoint): autograd keeps only q, k, v and the
     # bias parameters of each layer, not its score tiles or matrices; costs one more attention
-    # forward per layer (README "Speed" has both figures).
+    # forward per layer (docs/results/speed.md "Speed" has both figures).
     attention_recompute: bool = False
     # Compute precision of the forward/backward pass: "fp32" | "bf16" | "fp16". Master weights and
     # the optimizer state stay in `dtype`; bf16/fp16 cast them per step (LayerNorm, L2-norm and the
@@ -284,7 +284,7 @@ class BackendConfig:
     # Deterministic kernels (torch.use_deterministic_algorithms; JAX on CPU already is): a run and
     # its resumed twin then write identical metrics.jsonl files. "auto" (default): on for CPU
     # devices, where it is nearly free, off on accelerators, where torch's deterministic index
-    # backward is many times slower (README "Determinism"); "on" | "off" (TOML true / false also
+    # backward is many times slower (docs/guides/reliability.md "Determinism"); "on" | "off" (TOML true / false also
     # accepted) force it.
     deterministic: Deterministic = "auto"
 
@@ -318,7 +318,7 @@ class OpsConfig:
 
 @dataclass(frozen=True)
 class DistConfig:
-    """Multi-process data-parallel training (README "Distributed training"; torch backends only).
+    """Multi-process data-parallel training (docs/guides/distributed.md "Distributed training"; torch backends only).
 
     ``train.batch_size`` stays the GLOBAL batch: every rank builds the same global batch (same
     users, negatives and dropout masks as a single-process run) and trains the sequences the
@@ -356,7 +356,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """The item embedding table (README "Sparse embeddings"; gr_functional/embedding/).
+    """The item embedding table (docs/guides/sparse-embeddings.md "Sparse embeddings"; gr_functional/embedding/).
 
     kind "dense": one row per item id 0..num_items (today's ``params["item_emb"]``). kind "hash":
     a dynamic table of ``capacity`` rows; raw ids of any value get a row on first sight (after
@@ -389,7 +389,7 @@ class EmbeddingConfig:
     node_size: int = _range(0, ge=0)  # ranks per node (hierarchical groups, intra/inter byte split); 0 = 1
     hierarchical: bool = False        # two-level all-to-all: inside the node first, then across nodes
     exchange: ExchangePrecision = "fp32"  # exchanged rows and gradients; 16-bit ones carry a scale per row
-    # Semi-asynchronous sparse updates (README "Semi-asynchronous sparse updates"): the row update
+    # Semi-asynchronous sparse updates (docs/guides/negatives-and-overlap.md "Semi-asynchronous sparse updates"): the row update
     # of step i is applied at step i + staleness, so each step reads rows at most `staleness`
     # updates old; dense parameters stay synchronous. 0 = synchronous. Row-sparse optimizers only.
     staleness: int = _range(0, ge=0)
@@ -398,7 +398,7 @@ class EmbeddingConfig:
 @dataclass(frozen=True)
 class RankingConfig:
     """dlrm_v3's HSTU ranking model (``model.task = "ranking"``; gr_functional/ranking/, spec
-    docs/dlrm_v3_ranking_spec.md). Defaults are GR's kuairand-1k gin values (spec section 1)."""
+    docs/design/dlrm_v3_ranking_spec.md). Defaults are GR's kuairand-1k gin values (spec section 1)."""
 
     embed_dim: int = _range(256, ge=1)        # embedding tables
     dim: int = _range(512, ge=1)              # model width

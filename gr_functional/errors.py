@@ -1,7 +1,7 @@
 """Every error a user can hit, in one leaf module (imports nothing of the package).
 
 Each carries a message naming the file, line or key and the fix; ``grf`` maps the class to its
-exit code (README "Commands"): ConfigError / DataError / CheckpointError / RunLocked 2,
+exit code (docs/cli.md "Commands"): ConfigError / DataError / CheckpointError / RunLocked 2,
 TrainingAborted / Diverged 3, DistributedError 4, WriteError 5, PluginError 6. Modules raise these; the old
 import paths (``config.ConfigError``, ``data.loaders.DataError``, ...) still work.
 """

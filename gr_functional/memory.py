@@ -48,7 +48,7 @@ against host memory: device memory is not checked here (the frameworks raise a c
 out-of-memory error there; the host OOM killer is what this guards against). Data-parallel
 ranks on one host (``LOCAL_WORLD_SIZE``) each need their own share: the peak is multiplied.
 
-How close the estimate comes to measured peaks: README "Reliability", "Memory estimate".
+How close the estimate comes to measured peaks: docs/guides/reliability.md "Reliability", "Memory estimate".
 
 Available memory: ``GRF_MEMORY_LIMIT_BYTES`` when set (tests, or to leave room for other jobs),
 else the smaller of ``MemAvailable`` in /proc/meminfo and the cgroup's limit minus its usage;

@@ -2,7 +2,7 @@
 
 ``train(cfg, out_dir)`` checks the config, the task's data and any checkpoint to resume, then
 runs the task's steps, calling the hooks (gr_functional/hooks.py) at every step and epoch end,
-and writes (README "Commands"):
+and writes (docs/cli.md "Commands"):
   OUT/config.toml    resolved config
   OUT/metrics.jsonl  one JSON object per line, a deterministic function of (config, data, backend):
                      training steps {"kind": "train", "step", "epoch", "loss", "tokens"[, "loss_scale"]},
@@ -25,7 +25,7 @@ state (and fp16 loss scale), the loader position (epoch, batch), the step, the p
 and metrics.jsonl up to that step. All randomness is numpy ``default_rng((train.seed, epoch[,
 step]))`` drawn by the loader, so the position and the seed are the whole RNG state.
 
-Data-parallel (README "Distributed training"): under torchrun (``WORLD_SIZE > 1``) every rank
+Data-parallel (docs/guides/distributed.md "Distributed training"): under torchrun (``WORLD_SIZE > 1``) every rank
 runs ``train``; the task's step runner trains the rank's share of every global batch over a
 ``backends.dist_torch.TorchCollective``. Rank 0 alone reads and writes OUT (config, metrics,
 timing, checkpoints, eval.json, curves) and evaluates; the resume decision and checkpoint state

@@ -4,7 +4,7 @@
 effects; ``make_train_step(B, cfg)`` returns it bound to a backend and config and jitted by
 the backend (``jax.jit`` on JAX, eager on torch).
 
-Everything a step needs beyond params lives in its arguments (README "Reliability"):
+Everything a step needs beyond params lives in its arguments (docs/guides/reliability.md "Reliability"):
 
 - ``batch`` is one ``HSTUBatch`` or a list of micro-batches (gradient accumulation,
   ``step.accumulate``). k micro-batches give the update of one batch holding all their
@@ -393,7 +393,7 @@ def make_train_step(B, cfg: Config, objective: Objective | None = None):
 
 
 # ----------------------------------------------------------------------------- data parallel
-# N ranks compute the single-process update (README "Distributed training"). Rank r holds
+# N ranks compute the single-process update (docs/guides/distributed.md "Distributed training"). Rank r holds
 # micro-batches i with n_ri supervised tokens out of G in the whole (accumulated) global batch.
 # It differentiates loss_ri * n_ri / G (its sum of token losses over the GLOBAL count, the factor
 # ``balance.rank_loss_weight(G, R, grad_reduce="sum")``), so a SUM all-reduce of the gradients

@@ -33,7 +33,7 @@ decayed run would silently train without decay. An empty step (U = 0) never reac
 (fbgemm-ascend: "indices can not be empty tensor"). The learning rate is a Python float
 (``set_learning_rate``): one host sync per step, as fbgemm-ascend's ``.item()`` does anyway.
 
-Sources for every claim above, with commits: docs/ascend_sparse_ops.md.
+Sources for every claim above, with commits: docs/design/ascend_sparse_ops.md.
 
 Verified on CPU (tests/npu_ops/test_fbgemm_tbe.py): against the reference formulas through a FAKE
 written from the documented semantics (npu_ops/fakes/fake_fbgemm_tbe.py) and through fbgemm's own

@@ -1,5 +1,5 @@
 """The AUC a perfect model reaches on the kuairand-rank-synthetic test candidates: the generator's
-own click probabilities scored against the drawn clicks (README "Ranking"). Only the click task
+own click probabilities scored against the drawn clicks (docs/guides/ranking.md "Ranking"). Only the click task
 has a clean ceiling: the other actions' probabilities are conditioned on the drawn click, which a
 model does not see for a candidate.
 

@@ -6,7 +6,7 @@ uninterrupted run would have seen, on any backend. Nothing is padded to ``max_le
 ``sum(min(L_u - 1, max_len))`` real tokens, rounded up to a capacity of the short
 ``round_up_capacity`` ladder so JAX compiles one program per capacity.
 
-Data-parallel training (``RankSplit``, README "Distributed training"). Every rank builds the
+Data-parallel training (``RankSplit``, docs/guides/distributed.md "Distributed training"). Every rank builds the
 same GLOBAL batch as a single-process run (same users in the same order, drawn from the same
 ``default_rng((seed, epoch, step))``, so the same negatives and dropout masks) and then slices
 its own sequences out of it, each with its per-token negatives and masks (``slice_batch``). Why:

@@ -206,7 +206,7 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
     distinct raw ids, sorted, to dense 1..K and keeps ``raw_item_ids`` (KuaiRand ids start at 0
     and are sparse). ``candidates`` (raw ids) restricts evaluation ranking to those ids.
 
-    Rules (``DataError`` names ``FILE:LINE``; README "Bad inputs"):
+    Rules (``DataError`` names ``FILE:LINE``; docs/guides/reliability.md "Bad inputs"):
       negative timestamp                  error: times are unix seconds (>= 0)
       timestamp > 1e11 (year 5000 on)    error naming its line: milliseconds? (``_check_time_range``)
       times spanning > int32 seconds      error naming both lines (68 years: a damaged line?)

@@ -17,7 +17,7 @@ before them, and training has one sample per earlier window of C events: candida
 ``[e - C, e)`` for e = n - 2C, n - 3C, ... while at least one history event precedes them. Each
 sample's history is every event before its candidates (truncated to ``ranking.max_history``, the
 oldest kept, as GR does). GR's own protocol differs: one sample per user (its last C events),
-users split 75/25 by file order, no validation (docs/dlrm_v3_ranking_spec.md section 5.3).
+users split 75/25 by file order, no validation (docs/design/dlrm_v3_ranking_spec.md section 5.3).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Absolute position and time encodings of dlrm_v3's ranking model (GR ``HSTUPositionalEncoder``
 with its PyTorch kernel ``ops/pytorch/pt_position.py``; spec section 3.1 of
-docs/dlrm_v3_ranking_spec.md). The indices are integers of the batch, computed on the host in
+docs/design/dlrm_v3_ranking_spec.md). The indices are integers of the batch, computed on the host in
 numpy (as the time buckets of the retrieval model are), so every backend reads the same rows::
 
     x0 = sqrt(D) * tok + P[pos] + Tm[tau]          (then input dropout, by the caller)

@@ -1,4 +1,4 @@
-"""The output side of dlrm_v3's ranking model (spec section 4 of docs/dlrm_v3_ranking_spec.md):
+"""The output side of dlrm_v3's ranking model (spec section 4 of docs/design/dlrm_v3_ranking_spec.md):
 the candidates' STU outputs through GR's ``TimestampLayerNormPostprocessor``, an item tower on
 the candidates' own embeddings, and the multitask head with its per-task BCE::
 

@@ -1,4 +1,4 @@
-"""dlrm_v3's HSTU ranking model, joined from its pieces (spec: docs/dlrm_v3_ranking_spec.md):
+"""dlrm_v3's HSTU ranking model, joined from its pieces (spec: docs/design/dlrm_v3_ranking_spec.md):
 a batch of users (``RankingBatch``, built on the host by ``make_ranking_batch``) -> per-candidate
 logits for every task and the multitask loss. Pure functions of ``(B, params, batch, cfg)``.
 

@@ -1,6 +1,6 @@
 """The STU layer of generative-recommenders' dlrm_v3 ranking model (GR ``modules/stu.py`` with
 its PyTorch kernels ``ops/pytorch/pt_hstu_attention.py`` / ``pt_hstu_linear.py``; spec section 3.2
-of docs/dlrm_v3_ranking_spec.md). On ``x[T, D]`` (jagged by ``layout``, the last
+of docs/design/dlrm_v3_ranking_spec.md). On ``x[T, D]`` (jagged by ``layout``, the last
 ``num_targets[b]`` tokens of sequence b its candidates)::
 
     n      = LayerNorm(x) * ln_w + ln_b                       (eps 1e-6, affine)

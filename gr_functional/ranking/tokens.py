@@ -1,5 +1,5 @@
 """The input tokens of dlrm_v3's ranking model (GR ``ContextualPreprocessor`` and
-``ActionEncoder``; spec section 2.2 of docs/dlrm_v3_ranking_spec.md). Per user, in this order::
+``ActionEncoder``; spec section 2.2 of docs/design/dlrm_v3_ranking_spec.md). Per user, in this order::
 
     [ ctx_0 .. ctx_{S-1} | history_0 .. history_{U-1} | candidate_0 .. candidate_{C-1} ]
 

@@ -1,8 +1,8 @@
 """The retrieval task: GR's research HSTU trained on per-user sequences with sampled negatives,
 evaluated on each user's held-out last (test) and second-to-last (valid) item by full-catalogue
-ranking (README "Evaluation"). The run loop (runner.py) calls it through ``task.Task``.
+ranking (docs/results/ml1m.md "Evaluation"). The run loop (runner.py) calls it through ``task.Task``.
 
-Data-parallel (README "Distributed training"): under torchrun every rank trains its share of
+Data-parallel (docs/guides/distributed.md "Distributed training"): under torchrun every rank trains its share of
 every global batch (``data.batching.RankSplit``) with ``step.make_dist_train_step``; with
 ``embedding.sharding = "row"`` the item table is row-sharded over the ranks (``ShardedTable``).
 """

@@ -1,5 +1,5 @@
 """dlrm_v3's STU layer (gr_functional/ranking/stu.py) on every backend under test: forward vs a
-float64 numpy oracle written from the spec (docs/dlrm_v3_ranking_spec.md section 3.2), with and
+float64 numpy oracle written from the spec (docs/design/dlrm_v3_ranking_spec.md section 3.2), with and
 without a dropout mask, and all gradients vs the reference ops in float64."""
 from __future__ import annotations
 
