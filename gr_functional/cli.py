@@ -22,15 +22,17 @@ prints the result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from . import log
+from . import log, results
 from .plugins import import_plugins, normalise
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torch_npu without CANN breaks torch
@@ -338,7 +340,21 @@ def cmd_bench(args) -> int:
         kwargs["cfg"] = _load(args)
     elif args.config or args.set or args.backend:
         raise SystemExit(f"grf bench {args.name}: takes no --config/--set/--backend")
-    run(**kwargs)
+    if args.record is None:
+        run(**kwargs)
+        return 0
+    return _recorded(lambda: run(**{**kwargs, "json_lines": True}),
+                     args.record or str(results.RESULTS / "bench" / f"{args.name}.jsonl"), args.command_line)
+
+
+def _recorded(command, path: str, command_line: str) -> int:
+    """Run ``command`` (which prints JSON lines) and write what it printed to ``path`` as a results
+    file (gr_functional/results.py), stamped with this command line, the date, commit and machine."""
+    capture = results.JsonLines(sys.stdout)
+    with contextlib.redirect_stdout(capture):
+        command()
+    written = results.write(path, command_line, capture.records)
+    log.say(f"{len(capture.records)} records written to {written}")
     return 0
 
 
@@ -348,6 +364,10 @@ def cmd_report(args) -> int:
     runs = report.find_runs(args.runs)
     metrics = ([m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics
                else report.default_metrics(runs))
+    if args.record:
+        args.record, path = None, args.record
+        args.json = True
+        return _recorded(lambda: cmd_report(args), path, args.command_line)
     if args.json:
         if args.curve:
             for run in runs:
@@ -429,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark (prints a table, or JSON lines with --json)")
     b.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
+    b.add_argument("--record", nargs="?", const="", metavar="FILE",
+                   help="also write the JSON lines, stamped with the command, date, commit and machine, to FILE "
+                        "(default results/bench/NAME.jsonl): the data the docs' result pages are generated from")
     b.add_argument("--config", help="model config (calibrate; default quickstart)")
     b.add_argument("--backend", help="backend to measure on (calibrate; default backend.name); attention, mfu, "
                                       "throughput: comma-separated list (default torch,jax)")
@@ -444,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--curve", metavar="METRIC", help="print METRIC at every evaluated epoch, one column per run")
     r.add_argument("--split", default="test", choices=("test", "valid"), help="split for --curve (default test)")
     r.add_argument("--json", action="store_true", help="one JSON object per row (per run with --curve)")
+    r.add_argument("--record", metavar="FILE", help="also write the JSON rows, stamped with the command, date, commit "
+                                                    "and machine, to FILE (e.g. results/quality/ml1m.jsonl)")
     r.set_defaults(fn=cmd_report)
     return p
 
@@ -495,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["grf", *(sys.argv[1:] if argv is None else argv)])  # what --record stamps
     if args.command in ("train", "bench") and args.config is None and (args.command == "train"
                                                                       or args.name == "calibrate"):
         args.config = DEFAULT_CONFIG

@@ -1,0 +1,33 @@
+"""Results as data (gr_functional/results.py): ``--record`` writes what a command printed under a stamp
+(command, date, commit, machine), and the documentation's results page is generated from such files
+(tools/gen_docs.py), never typed."""
+from __future__ import annotations
+
+import importlib.util
+
+from gr_functional import results
+from gr_functional.cli import main
+
+from .reliability.common import ROOT, TINY, sets
+
+
+def _gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_record_writes_stamped_rows_and_the_results_page_shows_them(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", "quickstart", "--quiet", "--out", str(run), *sets(TINY + ["train.epochs=1"])]) == 0
+    record = tmp_path / "results" / "quality" / "tiny.jsonl"
+    assert main(["report", str(run), "--record", str(record)]) == 0
+    stamp, rows = results.read(record)
+    assert stamp["command"].startswith("grf report") and stamp["date"] and stamp["machine"]["cpus"] >= 1
+    assert len(stamp["commit"]) in (0, 40) and len(rows) == 1 and "hr@10" in str(rows[0])
+    gen = _gen_docs()
+    monkeypatch.setattr(gen, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    page = gen.results_page()
+    assert "## results/quality/tiny.jsonl" in page and stamp["date"] in page and "grf report" in page
