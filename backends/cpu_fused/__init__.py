@@ -26,13 +26,18 @@ gradient, in float32 and float64 (``tests/differential/test_cpu_fused.py``, ``te
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shlex
 import shutil
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
-_NAME = "grf_hstu_cpu_fused"
+# one build folder per checkout: torch's build.ninja names the source by its absolute path, so two
+# checkouts sharing one folder (a working tree and a fresh clone's CI on one machine) would rebuild
+# it over each other at every switch, each waiting for the other's turn (measured: a 4-rank test
+# past its 180 s limit)
+_NAME = "grf_hstu_cpu_fused_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-trapping-math", "-fopenmp"]
 
 
