@@ -67,3 +67,16 @@ def test_grf_train_exits_2_naming_the_line(tmp_path, capsys):
                  "--set", f"data.path={p}"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"grf: error: {p}:4: field 4 (Timestamp) is too large: '{'1' * 23}'"), err
+
+
+def test_csv_timestamp_beyond_int64_names_its_line_and_digits(tmp_path):
+    """The CSV reader reads such a time as a float; cast to int64 it wrapped to -9.2e18 and was
+    reported as "negative" (found re-running the [hardening3] campaign)."""
+    from gr_functional.data.sources.interactions import load_csv
+
+    p = tmp_path / "log.csv"
+    rows = [f"{1 + r % 3},{10 + r},{1_600_000_000 + r}" for r in range(6)] + ["2,30,12345678901234567890123"]
+    p.write_text("user_id,item_id,timestamp\n" + "\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"log.csv:8:3: time 1.2345678901234568e\+22 .* has 23 digits, far beyond any "
+                                        r"date"):
+        load_csv(p)

@@ -526,7 +526,16 @@ def _seconds(col: _Column, unit: str) -> np.ndarray:
             row = int(bad[0])
             raise DataError(f"{col.where(row)}: time {col.text(row)!r} ({col.describe()}) is not a finite number; "
                             f"fix it or remove the row")
-        return np.floor(values / divisor).astype(np.int64)
+        seconds = np.floor(values / divisor)
+        # beyond int64 a cast would wrap to a huge negative time: say what the value is instead
+        big = np.flatnonzero(np.abs(seconds) >= 2.0 ** 62)
+        if big.size:
+            row = int(big[0])
+            digits = int(np.floor(np.log10(abs(float(values[row]))))) + 1
+            raise DataError(f"{col.where(row)}: time {col.text(row)} ({col.describe()}) has {digits} digits, far "
+                            f"beyond any date in data.csv_time_unit={unit!r} units (unix seconds have 10 today); the "
+                            f"line is damaged or the unit is wrong: fix the line or set data.csv_time_unit")
+        return seconds.astype(np.int64)
     text = col.as_bytes()
     if _dated(text):
         seconds = _date_seconds(text)
