@@ -134,52 +134,42 @@ SMALL = ["--set", "data.synthetic_users=120", "--set", "model.num_blocks=1", "--
          "--set", "model.dqk=8", "--set", "model.dv=8"]
 
 
-def test_crosscheck_steps_compares_a_training_trajectory_and_catches_a_wrong_kernel(tmp_path):
+def test_crosscheck_steps_and_checkpoint_compare_training_and_a_trained_run(tmp_path):
     """--steps N trains N steps on each side as grf train would: the losses step by step and every
-    parameter after the last agree for jax/torch, and a wrong kernel on one side fails (exit 1)
-    from the first step's loss on."""
-    proc = _crosscheck("--steps", "3", "--json", "--out", str(tmp_path / "runs"), *SMALL)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)
-    kinds = [r["kind"] for r in report["rows"]]
-    assert report["ok"] and kinds.count("loss") == 3 and "param" in kinds
-    assert (tmp_path / "runs" / "jax" / "checkpoints" / "last.safetensors").is_file()
-    plugin = tmp_path / "wrong_kernel.py"
-    plugin.write_text(_WRONG_KERNEL)
-    proc = _crosscheck("--steps", "3", "--json", "--plugin", str(plugin), "--set", "ops.attention=wrong_on_purpose",
-                       *SMALL)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    failed = [r for r in json.loads(proc.stdout)["rows"] if not r["ok"]]
-    assert failed and all(r["kind"] in ("loss", "param") for r in failed)
-    proc = _crosscheck("--steps", "3", "--set", "backend.device=cuda", *SMALL)
-    assert proc.returncode == 2 and "cuda" in proc.stderr  # refused before either side trains
-
-
-def test_crosscheck_checkpoint_evaluates_one_run_on_both_backends(tmp_path):
-    """--checkpoint: the run's checkpoint evaluated on both sides (its own config, its kernels where
-    they run): equal metrics, and its trained parameters layer by layer on a batch of its data; a
-    run trained with a wrong torch kernel differs on torch (exit 1: its metrics barely move, its
-    attention does)."""
+    parameter after the last agree for jax/torch, and a wrong kernel on one side fails (exit 1).
+    --checkpoint evaluates one of those trained runs on both sides (its own config, its kernels
+    where they run): equal metrics, and its trained weights agree layer by layer on a batch of its
+    data; the run trained with the wrong torch kernel fails on torch (its metrics barely move, its
+    attention does). A device grf train refuses is refused before either side trains."""
     import subprocess
     import sys
 
     from ..reliability.common import ROOT, subprocess_env
 
+    proc = _crosscheck("--steps", "3", "--json", "--out", str(tmp_path / "good"), *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    kinds = [r["kind"] for r in report["rows"]]
+    assert report["ok"] and kinds.count("loss") == 3 and "param" in kinds
     plugin = tmp_path / "wrong_kernel.py"
     plugin.write_text(_WRONG_KERNEL)
+    proc = _crosscheck("--steps", "3", "--json", "--out", str(tmp_path / "wrong"), "--plugin", str(plugin), "--set",
+                       "ops.attention=wrong_on_purpose", *SMALL)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = [r for r in json.loads(proc.stdout)["rows"] if not r["ok"]]
+    assert failed and all(r["kind"] in ("loss", "param") for r in failed)
 
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "gr_functional.cli", *args], cwd=ROOT, env=subprocess_env(),
+    def checkpoint(run, *args):
+        return subprocess.run([sys.executable, "-m", "gr_functional.cli", "crosscheck", "--checkpoint",
+                               str(run / "checkpoints" / "last.safetensors"), *args], cwd=ROOT, env=subprocess_env(),
                               capture_output=True, text=True, timeout=600)
 
-    for name, extra in (("good", []), ("wrong", ["--plugin", str(plugin), "--set", "ops.attention=wrong_on_purpose"])):
-        proc = run("train", "--config", "quickstart", "--quiet", "--out", str(tmp_path / name), "--set",
-                   "train.epochs=1", *SMALL, *extra)
-        assert proc.returncode == 0, proc.stderr
-    good = run("crosscheck", "--checkpoint", str(tmp_path / "good" / "checkpoints" / "last.safetensors"), "--json")
+    good = checkpoint(tmp_path / "good" / "jax", "--json")
     assert good.returncode == 0, good.stdout + good.stderr
     rows = json.loads(good.stdout)["rows"]
     assert {r["name"] for r in rows} >= {"hr@10", "ndcg@10", "mrr"} and {"activation", "gradient"} <= {r["kind"] for r in rows}
-    wrong = run("crosscheck", "--checkpoint", str(tmp_path / "wrong" / "checkpoints" / "last.safetensors"))
-    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
-    assert "FAILED: first diverging layer: block0.attention" in wrong.stdout or "attention" in wrong.stdout
+    wrong = checkpoint(tmp_path / "wrong" / "torch")
+    assert wrong.returncode == 1 and "attention" in wrong.stdout, wrong.stdout + wrong.stderr
+
+    proc = _crosscheck("--steps", "3", "--set", "backend.device=cuda", *SMALL)
+    assert proc.returncode == 2 and "cuda" in proc.stderr  # refused before either side trains
