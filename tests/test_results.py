@@ -31,3 +31,23 @@ def test_report_record_writes_stamped_rows_and_the_results_page_shows_them(tmp_p
     monkeypatch.setattr(gen, "ROOT", tmp_path)
     page = gen.results_page()
     assert "## results/quality/tiny.jsonl" in page and stamp["date"] in page and "grf report" in page
+
+
+def test_a_plot_is_stale_once_its_data_changes(tmp_path, monkeypatch):
+    """Plots are SVGs drawn from a results file, their title the data's sha256 (SVG bytes vary with
+    the matplotlib version; the data does not): the check fails once the data moves on."""
+    import shutil
+
+    gen = _gen_docs()
+    rel = "bench/attention.jsonl"
+    (tmp_path / "results" / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "results" / rel, tmp_path / "results" / rel)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(gen, "PLOTS_DIR", tmp_path / "plots")
+    assert gen.stale_plots()  # not drawn yet
+    gen.draw_plots()
+    assert gen.stale_plots() == []
+    with open(tmp_path / "results" / rel, "a") as f:
+        f.write('{"backend": "torch", "variant": "new", "truncation": 256, "seconds": 1.0}\n')
+    assert gen.stale_plots()

@@ -118,6 +118,75 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|")
 
 
+# How to draw a results file (path under results/): x, y, the keys whose values name a line, log axes
+PLOTS = {
+    "bench/attention.jsonl": {"x": "truncation", "y": "seconds", "series": ("backend", "variant"), "log": True,
+                              "xlabel": "sequences truncated to (tokens)", "ylabel": "seconds per forward+backward"},
+}
+PLOTS_DIR = ROOT / "docs" / "results" / "plots"
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def plot_file(rel: str) -> Path:
+    return PLOTS_DIR / (rel.replace("/", "-").removesuffix(".jsonl") + ".svg")
+
+
+def draw(path: Path, rel: str, out: Path) -> None:
+    """The plot of results file ``path`` (``PLOTS[rel]``) as SVG, its title the data's sha256 (what
+    ``--check`` compares: SVG bytes vary with the matplotlib version, the data they show does not)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "grf"
+    import matplotlib.pyplot as plt
+
+    from gr_functional import results
+
+    spec = PLOTS[rel]
+    _, rows = results.read(path)
+    lines: dict[tuple, list] = {}
+    for r in rows:
+        if spec["x"] in r and spec["y"] in r:
+            lines.setdefault(tuple(r.get(k) for k in spec["series"]), []).append((r[spec["x"]], r[spec["y"]]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=" ".join(map(str, name)))
+    if spec.get("log"):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    ax.set_xlabel(spec["xlabel"])
+    ax.set_ylabel(spec["ylabel"])
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="svg", metadata={"Title": f"data sha256 {_digest(path)}", "Date": None})
+    plt.close(fig)
+
+
+def stale_plots() -> list[str]:
+    """Plots missing, or drawn from other data than their results file holds now."""
+    stale = []
+    for rel in PLOTS:
+        data, svg = RESULTS_DIR / rel, plot_file(rel)
+        if data.exists() and (not svg.exists() or f"data sha256 {_digest(data)}" not in svg.read_text()):
+            stale.append(f"{svg.relative_to(ROOT)} is not drawn from {data.relative_to(ROOT)}: run `python tools/gen_docs.py`")
+    return stale
+
+
+def draw_plots() -> None:
+    for rel in PLOTS:
+        if (RESULTS_DIR / rel).exists():
+            draw(RESULTS_DIR / rel, rel, plot_file(rel))
+            print(f"wrote {plot_file(rel).relative_to(ROOT)}")
+
+
 def results_page() -> str:
     """One section per results file (results/**/*.jsonl, written by ``--record``): its stamp and its
     records as a table."""
@@ -139,6 +208,9 @@ def results_page() -> str:
         out += [f"## {path.relative_to(ROOT)}", "", f"`{stamp['command']}`", "",
                 f"Measured {stamp['date']} at commit {commit or 'unknown'} on {where}.", ""]
         columns = list(dict.fromkeys(k for r in rows for k in r))
+        rel = str(path.relative_to(RESULTS_DIR))
+        if rel in PLOTS:
+            out += [f"![{rel}](plots/{plot_file(rel).name})", ""]
         out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         out += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
         out.append("")
@@ -165,6 +237,10 @@ def main(argv=None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
+    if args.check:
+        stale += stale_plots()
+    else:
+        draw_plots()
     for message in stale:
         print(message, file=sys.stderr)
     return 1 if stale else 0
