@@ -118,10 +118,15 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|")
 
 
-# How to draw a results file (path under results/): x, y, the keys whose values name a line, log axes
+# How to draw a results file (path under results/): x, y, the keys whose values name a line, log axes,
+# and "where": the records drawn (the others stay in the table)
 PLOTS = {
     "bench/attention.jsonl": {"x": "truncation", "y": "seconds", "series": ("backend", "variant"), "log": True,
                               "xlabel": "sequences truncated to (tokens)", "ylabel": "seconds per forward+backward"},
+    "bench/balance.jsonl": {"x": "ranks", "y": "imbalance_mean", "series": ("policy",), "log": True,
+                            "where": {"truncation": 16000, "per_rank": 8},
+                            "xlabel": "ranks (8 sequences each, KuaiRand-27K lengths truncated to 16,000)",
+                            "ylabel": "mean step imbalance (max/mean - 1)"},
 }
 PLOTS_DIR = ROOT / "docs" / "results" / "plots"
 
@@ -150,8 +155,9 @@ def draw(path: Path, rel: str, out: Path) -> None:
     spec = PLOTS[rel]
     _, rows = results.read(path)
     lines: dict[tuple, list] = {}
+    where = spec.get("where", {})
     for r in rows:
-        if spec["x"] in r and spec["y"] in r:
+        if spec["x"] in r and spec["y"] in r and all(r.get(k) == v for k, v in where.items()):
             lines.setdefault(tuple(r.get(k) for k in spec["series"]), []).append((r[spec["x"]], r[spec["y"]]))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
