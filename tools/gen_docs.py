@@ -119,10 +119,13 @@ def _cell(value) -> str:
 
 
 # How to draw a results file (path under results/): x, y, the keys whose values name a line, log axes,
-# and "where": the records drawn (the others stay in the table)
+# "where": the records drawn (the others stay in the table), "expand": a list field whose items are
+# the points (grf report --curve's "evals", each split a line)
 PLOTS = {
     "bench/attention.jsonl": {"x": "truncation", "y": "seconds", "series": ("backend", "variant"), "log": True,
                               "xlabel": "sequences truncated to (tokens)", "ylabel": "seconds per forward+backward"},
+    "quality/quickstart-curve.jsonl": {"x": "epoch", "y": "hr@10", "series": ("split",), "expand": "evals",
+                                       "xlabel": "epoch (grf train --config quickstart)", "ylabel": "HR@10"},
     "bench/balance.jsonl": {"x": "ranks", "y": "imbalance_mean", "series": ("policy",), "log": True,
                             "where": {"truncation": 16000, "per_rank": 8},
                             "xlabel": "ranks (8 sequences each, KuaiRand-27K lengths truncated to 16,000)",
@@ -156,6 +159,9 @@ def draw(path: Path, rel: str, out: Path) -> None:
     _, rows = results.read(path)
     lines: dict[tuple, list] = {}
     where = spec.get("where", {})
+    if "expand" in spec:  # grf report --curve: one record per run, its evaluations nested per split
+        rows = [{"epoch": e["epoch"], "split": split, **e[split]} for r in rows for e in r[spec["expand"]]
+                for split in ("valid", "test") if split in e]
     for r in rows:
         if spec["x"] in r and spec["y"] in r and all(r.get(k) == v for k, v in where.items()):
             lines.setdefault(tuple(r.get(k) for k in spec["series"]), []).append((r[spec["x"]], r[spec["y"]]))
