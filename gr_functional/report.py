@@ -59,6 +59,7 @@ class RunFolder:
     incomplete: str = ""
     warnings: tuple = ()
     selected_by: str = ""   # the metric eval.json says selected its epoch ("" before eval.json)
+    commits: tuple = ()     # the code's commits that trained it (timing.jsonl start/resume), "+" = uncommitted changes
 
     @property
     def name(self) -> str:
@@ -226,7 +227,10 @@ def load_run(path: str | Path) -> RunFolder:
             elif lacking:
                 incomplete = f"metrics.jsonl lacks epoch {last}"
             finished = finished and not incomplete
-    return RunFolder(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings), selected_by)
+    commits = tuple(dict.fromkeys(row["commit"][:10] + ("+" if row.get("dirty") else "") for row in timing
+                                  if row.get("kind") in ("start", "resume") and row.get("commit")))
+    return RunFolder(path, config, evals, finished, epoch_seconds, aborted, live, incomplete, tuple(warnings), selected_by,
+                     commits)
 
 
 def find_runs(paths: list) -> list:
@@ -276,7 +280,8 @@ def _mean_std(values: list) -> tuple[float, float]:
 def summary_rows(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False) -> tuple[list, list]:
     """``(keys, rows)``: the differing config keys, and one dict per run or seed group.
 
-    A row: ``{"run", "status", "epoch", key: value..., metric: value | (mean, std), "n", "wall_s"}``
+    A row: ``{"run", "status", "epoch", key: value..., metric: value | (mean, std), "n", "wall_s",
+    "trained_at"}`` (trained_at: the commits of the code that trained it, "" where not recorded)
     (wall_s per run). With ``group_seeds`` runs equal in every differing key but ``train.seed`` and
     the execution keys (determinism, attention kernel and tile, device) form one row whose metrics
     are ``(mean, sample std)`` of their selected epochs.
@@ -300,6 +305,7 @@ def summary_rows(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False)
                 row["epoch"] = chosen[0][1]["epoch"]
                 row.update({m: chosen[0][1].get(m) for m in metrics})
         row["wall_s"] = sum(r.wall_seconds for r in members) / len(members)  # per run
+        row["trained_at"] = ", ".join(dict.fromkeys(c for r in members for c in r.commits))
         rows.append(row)
     return keys, rows
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path("results")  # where --record writes by default (relative to the working directory)
 
 
-def _commit() -> tuple[str, bool]:
+def commit() -> tuple[str, bool]:
     """``(commit, dirty)`` of the checkout this code runs from ("" where it is not a git checkout)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -67,10 +67,10 @@ def machine() -> dict:
 
 
 def stamp(command: str) -> dict:
-    commit, dirty = _commit()
+    code, dirty = commit()
     return {"kind": "stamp", "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
-            "commit": commit, "dirty": dirty, "machine": machine()}
+            "commit": code, "dirty": dirty, "machine": machine()}
 
 
 def write(path: str | Path, command: str, records: list[dict]) -> Path:
@@ -119,4 +119,4 @@ class JsonLines:
         self.out.flush()
 
 
-__all__ = ["RESULTS", "JsonLines", "machine", "read", "stamp", "write"]
+__all__ = ["RESULTS", "JsonLines", "commit", "machine", "read", "stamp", "write"]

@@ -44,6 +44,7 @@ import numpy as np
 
 from backends import ops
 
+from . import results
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
                          check_finite, fault_point, read_checkpoint)
 from .config import Config, ConfigError, build_config, config_to_toml, problem_message, replace
@@ -73,6 +74,13 @@ def _fault_point(name: str, step: int) -> None:
     if only is not None and only != os.environ.get("RANK", "0"):
         return
     fault_point(name, step)
+
+
+def _code_version() -> dict:
+    """The commit the code that trains is at (and whether it has uncommitted changes), for
+    timing.jsonl: ``grf report`` shows it beside the run's metrics (results.commit; {} outside git)."""
+    code, dirty = results.commit()
+    return {"commit": code, "dirty": dirty} if code else {}
 
 
 def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
@@ -211,7 +219,8 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
         say_main(f"resuming {out} from {restored.path.name}: step {state.step}, epoch {e} batch {s} "
                  f"(written by {restored.meta.get('backend')}/{restored.config.backend.precision}, now "
                  f"{B.name}/{cfg.backend.precision}); pass --fresh to start over")
-        resumed = {"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name}
+        resumed = {"kind": "resume", "file": str(restored.path), "step": state.step, "backend": B.name,
+                   **_code_version()}
         changed = config_changes(restored.config, cfg)
         if changed:  # config.toml now says the new values: the history of what trained is here
             resumed["changed"] = changed
@@ -224,7 +233,7 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
         state = RunState()
         log = JsonLog(out / "metrics.jsonl") if main else NullLog()
         timing = JsonLog(out / "timing.jsonl") if main else NullLog()
-        events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision})
+        events.append({"kind": "start", "backend": B.name, "precision": cfg.backend.precision, **_code_version()})
     if comm.world_size > 1:
         events.append({"kind": "distributed", "world_size": comm.world_size, "backend": comm.backend,
                        "balance": cfg.dist.balance, "cost_a": loader.split.cost_a,

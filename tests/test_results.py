@@ -26,6 +26,8 @@ def test_report_record_writes_stamped_rows_and_the_results_page_shows_them(tmp_p
     stamp, rows = results.read(record)
     assert stamp["command"].startswith("grf report") and stamp["date"] and stamp["machine"]["cpus"] >= 1
     assert len(stamp["commit"]) in (0, 40) and len(rows) == 1 and "hr@10" in str(rows[0])
+    # the commit the run was trained at (timing.jsonl), beside the one the report ran at
+    assert rows[0]["trained_at"].rstrip("+") == stamp["commit"][:10]
     gen = _gen_docs()
     monkeypatch.setattr(gen, "RESULTS_DIR", tmp_path / "results")
     monkeypatch.setattr(gen, "ROOT", tmp_path)
