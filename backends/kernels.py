@@ -50,7 +50,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal
 
-from . import ops
+import npu_ops  # no vendor import: its kernels load their vendor code when a factory asks for one
+
+from . import cpu_fused, ops
 from .ops import DTYPES, PRECISIONS, Impl
 
 KernelFn = Callable[..., Any]  # fn(B, q, k, v, layout, norm_len, bias) -> out (module docstring)
@@ -185,8 +187,6 @@ def reference(B, q, k, v, layout, norm_len, bias):
 
 def _cpu_fused_factory(B):
     """The fused C++ tile attention (backends/cpu_fused), built on first use."""
-    from . import cpu_fused
-
     return cpu_fused.factory(B)
 
 
@@ -201,8 +201,6 @@ def _best_factory(B):
     """cpu_fused where it runs (CPU, fp32/fp64 compute, a tile plan, the extension built), else
     jagged; a build that fails is reported once, as a warning with
     the reason (``cpu_fused.available``, shared with the fused sampled logits)."""
-    from . import cpu_fused
-
     on = B.device_kind == "cpu" and cpu_fused.available()
 
     def runs_fused(B, q, layout) -> bool:
@@ -224,8 +222,6 @@ register_kernel("best", factory=_best_factory, backends=("torch",), tile_plan="u
 def _triton_factory(B):
     """The portable Triton kernel (npu_ops/triton_hstu.py): upstream Triton on CUDA (CPU only
     in the interpreter, TRITON_INTERPRET=1: tests), triton-ascend on an NPU."""
-    import npu_ops
-
     attention = npu_ops.triton_hstu_attention(require_ascend=B.device_kind == "npu")
     attention.check_device(B.device_kind)
     return attention.attend
@@ -261,8 +257,6 @@ def _mxrec_limits(model) -> str | None:
 def _mxrec_factory(B):
     """RecSDK's Ascend HSTU attention (``torch.ops.mxrec.hstu_jagged``, npu_ops/mxrec_hstu.py)
     fed the dense bias of ``B.relative_bias``."""
-    import npu_ops
-
     return npu_ops.mxrec_hstu_attention().attend
 
 
@@ -273,8 +267,6 @@ register_kernel("mxrec", factory=_mxrec_factory, backends=("npu",), dtypes=("flo
 
 def _auto_factory(B):
     """mxrec when RecSDK's ops are loaded, else the Triton kernel (triton-ascend)."""
-    import npu_ops
-
     ok, reason = npu_ops.mxrec_status()
     if ok:
         return _mxrec_factory(B)

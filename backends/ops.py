@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from gr_functional.errors import ConfigError
 from gr_functional.registry import Registry, did_you_mean
+from npu_ops import UnsupportedOnBackend  # the error classes only: no vendor import
 
 from .catalog import BackendUnavailable, backend_class
 
@@ -255,8 +256,6 @@ def build(B, op: str, name: str) -> tuple[Impl, Callable]:
     """``(impl, fn)`` for backend ``B``: resolve ``name`` ("default": B's own choice), check B's
     backend, dtype and device against the declaration (ConfigError naming the option), then run the
     factory (BackendUnavailable with the reason when the implementation cannot run here)."""
-    from npu_ops import UnsupportedOnBackend  # the error classes only: no vendor import
-
     impl = check(op, name, B.name, dtype=B.dtype_name, device=B.device_kind)
     try:
         fn = impl.factory(B)

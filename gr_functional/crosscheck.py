@@ -20,10 +20,13 @@ import numpy as np
 from backends import ops
 
 from . import model
-from .batch import HSTUBatch
+from .batch import HSTUBatch, make_batch
 from .checkpoint import read_checkpoint
 from .config import Config, replace
 from .configure import validate
+from .data import batching, split
+from .losses import negatives_for
+from .retrieval.task import load_sequences, resolve
 from .runner import evaluate_checkpoint, train
 from .runtime import make_backend
 from .tree import tree_items
@@ -134,9 +137,6 @@ def crosscheck(backends, params_np: dict, batch_np: HSTUBatch, cfg: Config,
 def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
     """A training batch of random histories (lengths 2..max_len+1, one of each extreme) for checks
     that need no dataset."""
-    from .batch import make_batch
-    from .losses import negatives_for
-
     rng = np.random.default_rng(seed)
     m = cfg.model
     lengths = rng.integers(2, m.max_len + 2, num_users)
@@ -220,9 +220,6 @@ def first_batch(cfg: Config, users: int) -> tuple[Config, HSTUBatch]:
     the config's data (its own split and loader), or random histories for a synthetic config with a
     catalogue size (``random_batch``)."""
     if cfg.model.num_items == 0 or cfg.data.dataset != "synthetic":
-        from .data import batching, split
-        from .retrieval.task import load_sequences, resolve
-
         data = load_sequences(cfg)
         cfg = replace(resolve(cfg, data), train={"batch_size": users, "max_tokens": 0})
         train_loader = batching.TrainLoader.from_config(split.leave_one_out(data).train, cfg)
