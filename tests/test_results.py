@@ -53,3 +53,27 @@ def test_a_plot_is_stale_once_its_data_changes(tmp_path, monkeypatch):
     with open(tmp_path / "results" / rel, "a") as f:
         f.write('{"backend": "torch", "variant": "new", "truncation": 256, "seconds": 1.0}\n')
     assert gen.stale_plots()
+
+
+def test_a_table_in_a_written_page_is_generated_from_its_results_file(tmp_path, monkeypatch):
+    """A ``grf:table`` block: the prose around it is written, its rows come from the results file
+    (filtered, formatted, under the command and commit that measured them), and a page whose block
+    no longer matches its data is named by the check."""
+    gen = _gen_docs()
+    (tmp_path / "results").mkdir()
+    results.write(tmp_path / "results" / "b.jsonl", "grf bench b --record",
+                  [{"backend": "torch", "mfu": 0.337, "bytes": 3 * 2**20, "hr": [0.3, 0.001]},
+                   {"backend": "jax", "mfu": 0.2, "bytes": 2**20, "hr": [0.31, 0.002]}])
+    page = tmp_path / "docs" / "speed.md"
+    page.parent.mkdir()
+    page.write_text('Prose.\n<!-- grf:table results/b.jsonl columns="backend, mfu:MFU:.1%, bytes:MiB:MiB, hr:HR@10:±" '
+                    'where="backend:torch" -->\nold\n<!-- grf:end -->\nMore prose.\n')
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    text = gen.fill_tables(page.read_text(), page)
+    assert text.startswith("Prose.\n<!-- grf:table") and text.endswith("<!-- grf:end -->\nMore prose.\n")
+    assert "| torch | 33.7% | 3 | 0.3000 ± 0.0010 |" in text and "| jax |" not in text
+    assert "`grf bench b --record`" in text and "old" not in text
+    assert gen.fill_tables(text, page) == text  # generated once, stable
+    page.write_text(text.replace("33.7%", "40.0%"))
+    assert gen.written_pages() == [page]
+    assert gen.fill_tables(page.read_text(), page) != page.read_text()  # what --check compares: a typed figure shows

@@ -5,6 +5,10 @@
     docs/reference/cli.md      every ``grf`` command and flag, from the argument parser
     docs/results/data.md       every results file under results/ (``grf bench NAME --record``,
                                ``grf report RUNS --record FILE``): its stamp and its records
+    docs/results/plots/*.svg   the plots of the results files named in PLOTS
+    docs/**/*.md tables        the body of every ``<!-- grf:table FILE columns=... -->`` ...
+                               ``<!-- grf:end -->`` block of a written page: a table of FILE's records
+                               under the command, date, commit and machine that measured them
 
     python tools/gen_docs.py            # write them
     python tools/gen_docs.py --check    # exit 1 naming a page that differs from the code (tests/test_docs.py)
@@ -17,6 +21,8 @@ import dataclasses
 import difflib
 import io
 import json
+import re
+import shlex
 import sys
 import typing
 from contextlib import redirect_stdout
@@ -199,6 +205,15 @@ def draw_plots() -> None:
             print(f"wrote {plot_file(rel).relative_to(ROOT)}")
 
 
+def _machine_text(stamp: dict) -> str:
+    m = stamp["machine"]
+    return ", ".join(f"{k} {m[k]}" for k in ("cpu", "cpus", "gpu", "torch", "jax") if k in m)
+
+
+def _commit_text(stamp: dict) -> str:
+    return (stamp["commit"][:10] or "unknown") + (" (uncommitted changes)" if stamp.get("dirty") else "")
+
+
 def results_page() -> str:
     """One section per results file (results/**/*.jsonl, written by ``--record``): its stamp and its
     records as a table."""
@@ -214,11 +229,8 @@ def results_page() -> str:
         out += ["No results recorded yet.", ""]
     for path in files:
         stamp, rows = results.read(path)
-        m = stamp["machine"]
-        where = ", ".join(f"{k} {m[k]}" for k in ("cpu", "cpus", "gpu", "torch", "jax") if k in m)
-        commit = stamp["commit"][:10] + (" (uncommitted changes)" if stamp.get("dirty") else "")
         out += [f"## {path.relative_to(ROOT)}", "", f"`{stamp['command']}`", "",
-                f"Measured {stamp['date']} at commit {commit or 'unknown'} on {where}.", ""]
+                f"Measured {stamp['date']} at commit {_commit_text(stamp)} on {_machine_text(stamp)}.", ""]
         columns = list(dict.fromkeys(k for r in rows for k in r))
         rel = str(path.relative_to(RESULTS_DIR))
         if rel in PLOTS:
@@ -232,12 +244,83 @@ def results_page() -> str:
 PAGES = {CONFIG_PAGE: config_page, CLI_PAGE: cli_page, RESULTS_PAGE: results_page}
 
 
+# A table of a results file inside a written page (so the prose around it is written and the
+# figures are not):
+#   <!-- grf:table results/bench/mfu.jsonl columns="config, backend, seconds:step s:.3f, mfu:MFU:.1%"
+#        where="backend:torch" -->
+#   (generated)
+#   <!-- grf:end -->
+# columns: field[:header[:format]], format a Python format spec (".3f", ",.0f", ".1%") or "MiB" (bytes)
+# or "±" ([mean, std] of grf report --group-seeds); where: field:value pairs a record must match
+# (compared as text); sort: a field to order the rows by (else the file's order).
+TABLE_BLOCK = re.compile(r"(<!-- grf:table (?P<args>[^\n]*?) -->\n)(?P<body>.*?)(<!-- grf:end -->)", re.S)
+
+
+def _format(value, fmt: str) -> str:
+    if value is None or value == "":
+        return ""
+    if fmt == "MiB":
+        return f"{value / 2**20:,.0f}"
+    if fmt == "±":
+        mean, std = value
+        return f"{mean:.4f}" if std is None or std != std else f"{mean:.4f} ± {std:.4f}"
+    if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, fmt)
+    return _cell(value)
+
+
+def _stamp_line(stamp: dict, rel: str) -> str:
+    return (f"*`{stamp['command']}`, {stamp['date'][:10]}, commit {_commit_text(stamp)}; "
+            f"{_machine_text(stamp)}; data: `{rel}`*")
+
+
+def table_block(args: str, page: Path) -> str:
+    """The generated body of one ``grf:table`` block (its ``args``: the results file, then key="value")."""
+    from gr_functional import results
+
+    words = shlex.split(args)
+    rel, options = words[0], dict(w.split("=", 1) for w in words[1:])
+    unknown = set(options) - {"columns", "where", "sort"}
+    path = ROOT / rel
+    if unknown or not path.is_file():
+        raise SystemExit(f"{page.relative_to(ROOT)}: grf:table {args!r}: "
+                         + (f"unknown option(s) {sorted(unknown)}" if unknown else f"no results file {rel}"))
+    stamp, rows = results.read(path)
+    where = [w.split(":", 1) for w in options.get("where", "").split(",") if w.strip()]
+    rows = [r for r in rows if all(str(r.get(k.strip())) == v.strip() for k, v in where)]
+    if "sort" in options:
+        rows.sort(key=lambda r: r.get(options["sort"]))
+    columns = [(c.strip().split(":", 2) + ["", ""])[:3] for c in options["columns"].split(",")]
+    columns = [(field, header or field, fmt) for field, header, fmt in columns]
+    missing = [f for f, _, _ in columns if not any(f in r for r in rows)]
+    if missing or not rows:
+        raise SystemExit(f"{page.relative_to(ROOT)}: grf:table {rel}: "
+                         + (f"no record has {missing}" if rows else "no record matches where="))
+    out = [_stamp_line(stamp, rel), "", "| " + " | ".join(h for _, h, _ in columns) + " |",
+           "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(_format(r.get(f), fmt) for f, _, fmt in columns) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def fill_tables(text: str, page: Path) -> str:
+    return TABLE_BLOCK.sub(lambda m: m.group(1) + "\n" + table_block(m.group("args"), page) + "\n" + m.group(4),
+                           text)
+
+
+def written_pages() -> list[Path]:
+    """Written (not generated) pages that hold ``grf:table`` blocks."""
+    return [p for p in sorted((ROOT / "docs").rglob("*.md")) if p not in PAGES and "<!-- grf:table" in p.read_text()]
+
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if a page differs from what the code generates")
     args = p.parse_args(argv)
     stale = []
-    for path, make in PAGES.items():
+    pages = {**PAGES, **{p: (lambda p=p: fill_tables(p.read_text(), p)) for p in written_pages()}}
+    for path, make in pages.items():
         text = make()
         if args.check:
             old = path.read_text() if path.exists() else ""
