@@ -250,9 +250,11 @@ PAGES = {CONFIG_PAGE: config_page, CLI_PAGE: cli_page, RESULTS_PAGE: results_pag
 #        where="backend:torch" -->
 #   (generated)
 #   <!-- grf:end -->
-# columns: field[:header[:format]], format a Python format spec (".3f", ",.0f", ".1%") or "MiB" (bytes)
+# columns: field[:header[:format]], format a Python format spec without commas (".3f", ".1%"), "int"
+# (thousands separated), "MiB" (bytes)
 # or "±" ([mean, std] of grf report --group-seeds); where: field:value pairs a record must match
-# (compared as text); sort: a field to order the rows by (else the file's order).
+# (compared as text); sort: a field to order the rows by (else the file's order); expand: a list field
+# whose items (dicts) are the rows, each with its record's other fields (a profile's "ops").
 TABLE_BLOCK = re.compile(r"(<!-- grf:table (?P<args>[^\n]*?) -->\n)(?P<body>.*?)(<!-- grf:end -->)", re.S)
 
 
@@ -261,6 +263,8 @@ def _format(value, fmt: str) -> str:
         return ""
     if fmt == "MiB":
         return f"{value / 2**20:,.0f}"
+    if fmt == "int":  # thousands separated ("," itself separates columns)
+        return f"{value:,.0f}"
     if fmt == "±":
         mean, std = value
         return f"{mean:.4f}" if std is None or std != std else f"{mean:.4f} ± {std:.4f}"
@@ -280,12 +284,14 @@ def table_block(args: str, page: Path) -> str:
 
     words = shlex.split(args)
     rel, options = words[0], dict(w.split("=", 1) for w in words[1:])
-    unknown = set(options) - {"columns", "where", "sort"}
+    unknown = set(options) - {"columns", "where", "sort", "expand"}
     path = ROOT / rel
     if unknown or not path.is_file():
         raise SystemExit(f"{page.relative_to(ROOT)}: grf:table {args!r}: "
                          + (f"unknown option(s) {sorted(unknown)}" if unknown else f"no results file {rel}"))
     stamp, rows = results.read(path)
+    if "expand" in options:
+        rows = [{**r, **item} for r in rows for item in r.get(options["expand"], [])]
     where = [w.split(":", 1) for w in options.get("where", "").split(",") if w.strip()]
     rows = [r for r in rows if all(str(r.get(k.strip())) == v.strip() for k, v in where)]
     if "sort" in options:
