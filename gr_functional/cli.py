@@ -285,6 +285,9 @@ def _tol(args, *keys: str) -> dict:
 
 def _crosscheck_result(report, args) -> int:
     print(report.to_json() if args.json else report.to_table())
+    if args.record:  # one record per compared row: the data a results page shows
+        written = results.write(args.record, args.command_line, report.records())
+        log.say(f"{len(report.rows)} records written to {written}")
     return 0 if report.ok else 1
 
 
@@ -438,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(appended to train.plugins; repeatable)")
     c.add_argument("--users", type=int, default=32, help="sequences in the checked batch (default 32)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c.add_argument("--record", metavar="FILE", help="also write one JSON row per compared layer, step or metric, "
+                                                   "stamped with the command, date, commit and machine, to FILE "
+                                                   "(e.g. results/quality/ml1m-crosscheck.jsonl)")
     c.set_defaults(fn=cmd_crosscheck)
 
     d = sub.add_parser("data", help="fetch datasets or show where they are")

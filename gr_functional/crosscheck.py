@@ -63,6 +63,11 @@ class Report:
     def first_failure(self) -> Row | None:
         return next((r for r in self.rows if not r.ok), None)
 
+    def records(self) -> list[dict]:
+        """One dict per row: ``{"reference", "other", "kind", "name", "max_abs", "rel", "tol", "ok"}``."""
+        ref, other = self.backends
+        return [dict(reference=ref, other=other, **dataclasses.asdict(r), ok=r.ok) for r in self.rows]
+
     def to_json(self) -> str:
         first = self.first_failure
         return json.dumps({

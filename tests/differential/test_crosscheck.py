@@ -7,7 +7,7 @@ import pytest
 
 from backends import get_backend
 from backends.torch import TorchBackend
-from gr_functional import model
+from gr_functional import model, results
 from gr_functional.configure import load_config
 from gr_functional.crosscheck import crosscheck, random_batch
 
@@ -164,10 +164,13 @@ def test_crosscheck_steps_and_checkpoint_compare_training_and_a_trained_run(tmp_
                                str(run / "checkpoints" / "last.safetensors"), *args], cwd=ROOT, env=subprocess_env(),
                               capture_output=True, text=True, timeout=600)
 
-    good = checkpoint(tmp_path / "good" / "jax", "--json")
+    good = checkpoint(tmp_path / "good" / "jax", "--json", "--record", str(tmp_path / "recorded.jsonl"))
     assert good.returncode == 0, good.stdout + good.stderr
     rows = json.loads(good.stdout)["rows"]
     assert {r["name"] for r in rows} >= {"hr@10", "ndcg@10", "mrr"} and {"activation", "gradient"} <= {r["kind"] for r in rows}
+    stamp, recorded = results.read(tmp_path / "recorded.jsonl")  # the same rows, as data for a results page
+    assert stamp["command"].startswith("grf crosscheck --checkpoint") and len(recorded) == len(rows)
+    assert all(r["reference"] == "jax" and r["other"] == "torch" and r["ok"] for r in recorded)
     wrong = checkpoint(tmp_path / "wrong" / "torch")
     assert wrong.returncode == 1 and "attention" in wrong.stdout, wrong.stdout + wrong.stderr
 
