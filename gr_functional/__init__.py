@@ -1,6 +1,6 @@
 """gr-functional: HSTU generative recommenders as pure functions over jagged arrays.
 
-The public API of an experiment script (docs/extending/index.md "Writing an experiment")::
+The public API of an experiment script (docs/extending/index.md)::
 
     import gr_functional as grf
 

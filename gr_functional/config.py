@@ -307,7 +307,7 @@ class OpsConfig:
     # ("best" on torch: the fused C++ op on CPU where it builds, else "reference"), "cpu_fused",
     # "reference" (the backend's formulation; torch: row-chunked).
     sampled_logits: str = "default"
-    # The shared negative pool's logsumexp (loss.negatives = "shared"): as sampled_logits.
+    # The shared negative pool's logsumexp (loss.name = "shared_pool" and "in_batch"): as sampled_logits.
     shared_logsumexp: str = "default"
     # Row-sparse embedding update (embedding.optimizer lazy_adam / rowwise_adagrad;
     # backends/row_kernels.py): "default" ("reference" on torch/jax, "auto" on npu), "reference",
