@@ -424,6 +424,11 @@ class RankingConfig:
     time_bucket_cap: int = _range(-1, ge=-1)  # -1: GR's PyTorch kernel's cap, dim - 1
     input_dropout: float = _range(0.2, ge=0.0, lt=1.0)
     linear_dropout: float = _range(0.1, ge=0.0, lt=1.0)
+    # The STU layers' output norm of the attention output (GR's hstu_group_norm): false = one
+    # LayerNorm over each token's heads * dv values, weights [heads * dv] (GR HEAD db1bf8f's
+    # kuairand-1k); true = a GroupNorm per head, weights [heads] (GR 2e81fab's). Run folders written
+    # before this key read as true (config.migrate), so they resume unchanged.
+    group_norm: bool = False
 
     @property
     def contextual(self) -> int:
@@ -528,6 +533,10 @@ MOVED_KEYS = {("model", "temperature"): ("loss", "temperature"),
               ("model", "num_negatives"): ("loss", "num_negatives"),
               ("backend", "hstu_kernel"): ("ops", "attention"),
               ("backend", "row_kernel"): ("ops", "row_update")}
+# Keys added with a default that is not what a run written before them computed: (section, key) ->
+# the value such a stored config (OUT/config.toml, a checkpoint's) means. Read only for stored
+# configs that have the section; a user's file without the key gets the new default.
+ADDED_KEYS = {("ranking", "group_norm"): True}   # per-head GroupNorm until GR HEAD's LayerNorm became the default
 # backend.cpu_fused (a switch of every fused C++ CPU op) became one [ops] key per op: false meant
 # these choices (attention "default"/"best" ran jagged then)
 CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
@@ -535,10 +544,15 @@ CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
 
 def migrate(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = True) -> dict:
     """``values`` ({section: {key: value}}) with the keys of older versions in their place now
-    (``MOVED_KEYS``, ``backend.cpu_fused``); a copy. ``stored``: written by a run, so migrated;
-    else (a user's file or --set) a ConfigError naming where the key lives now."""
+    (``MOVED_KEYS``, ``backend.cpu_fused``) and, if ``stored``, the keys a run written before them
+    lacks at the value it computed with (``ADDED_KEYS``); a copy. ``stored``: written by a run, so
+    migrated; else (a user's file or --set) a ConfigError naming where the key lives now."""
     origins = origins or {}
     values = {name: dict(body) if isinstance(body, dict) else body for name, body in values.items()}
+    if stored:
+        for (section, key), value in ADDED_KEYS.items():
+            if isinstance(values.get(section), dict):
+                values[section].setdefault(key, value)
     for (old, key), (new, new_key) in MOVED_KEYS.items():
         if not isinstance(values.get(old), dict) or key not in values[old]:
             continue

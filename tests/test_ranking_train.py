@@ -358,3 +358,35 @@ def test_a_ranking_dataset_without_the_ranking_task_says_so():
                                           r"model.task='retrieval' .*\(or set model.task='ranking'\)"):
         load_config(None, ["data.dataset=kuairand-rank-synthetic"])
 
+
+
+def test_a_run_from_before_group_norm_keeps_its_per_head_group_norm(tmp_path):
+    """``ranking.group_norm`` (GR HEAD's LayerNorm over heads x dv by default) came after runs were
+    written with the per-head GroupNorm: their stored configs (a checkpoint's, OUT/config.toml) lack
+    the key and read as ``true`` (``config.ADDED_KEYS``), so their parameters keep their shapes; a
+    config a user writes without it gets the new default; a stored ``false`` stays false."""
+    import tomllib
+
+    from gr_functional.config import build_config, config_to_toml, migrate
+
+    legacy = ROOT / "tests" / "fingerprints" / "legacy" / "ranking"
+    ck = read_checkpoint(legacy / "checkpoints" / "last.safetensors", verify=False)   # written before the key
+    assert ck.config.ranking.group_norm is True
+    shapes = ranking_param_shapes(ck.config.ranking)
+    assert ck.params["stu"]["layer0"]["gn_w"].shape == shapes["stu.layer0.gn_w"] == (ck.config.ranking.heads,)
+    stored = tomllib.loads((legacy / "config.toml").read_text())
+    assert "group_norm" not in stored["ranking"]
+    assert build_config(stored, stored=True).ranking.group_norm is True             # OUT/config.toml of such a run
+    folder = tmp_path / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "config.toml").write_text((legacy / "config.toml").read_text())
+    assert load_config(folder / "config.toml").ranking.group_norm is True          # grf train --config OUT/config.toml
+    user = {name: body for name, body in stored.items() if name in ("model", "data", "ranking")}
+    assert build_config(user).ranking.group_norm is False                           # a user's file: the new default
+    assert migrate({"model": {"task": "ranking"}}) == {"model": {"task": "ranking"}}  # no [ranking]: nothing added
+    new = load_config(PRESET, TINY)
+    assert new.ranking.group_norm is False
+    written = tomllib.loads(config_to_toml(new))                                    # what a new run stores
+    assert written["ranking"]["group_norm"] is False
+    assert build_config(written, stored=True).ranking.group_norm is False
+    assert ranking_param_shapes(new.ranking)["stu.layer0.gn_w"] == (new.ranking.heads * new.ranking.dv,)

@@ -41,12 +41,16 @@ _QUICK_SMALL = ["data.synthetic_users=400", "train.epochs=2", "train.checkpoint_
 _HASH = ["embedding.kind=hash", "embedding.optimizer=lazy_adam"]
 # few negatives and small batches, so that a table below the catalogue evicts rather than overflows
 _EVICT = _HASH + ["train.batch_size=32", "loss.num_negatives=1", "embedding.capacity=1200"]
+# the ranking scenarios were recorded before ranking.group_norm (per-head GroupNorm then; GR HEAD's
+# LayerNorm is the default now): they pin what they recorded
+_RANK_RECORDED_NORM = "ranking.group_norm=true"
 _RANK_TINY = ["data.synthetic_users=24", "data.synthetic_items=300", "data.synthetic_max_events=60",
               "ranking.embed_dim=8", "ranking.dim=16", "ranking.num_layers=1", "ranking.heads=2", "ranking.dqk=4",
               "ranking.dv=4", "ranking.max_seq_len=40", "ranking.video_table=300",
               "ranking.context_tables=[24, 8, 9, 9, 8, 8]", "ranking.tower_hidden=8", "ranking.item_hidden=8",
               "ranking.task_hidden=8", "ranking.position_buckets=64", "ranking.time_buckets=16", "train.epochs=2",
-              "train.batch_size=16", "train.log_every=1", "eval.batch_size=8", "train.checkpoint_every=3"]
+              "train.batch_size=16", "train.log_every=1", "eval.batch_size=8", "train.checkpoint_every=3",
+              _RANK_RECORDED_NORM]
 _ML1M_CI = ["train.epochs=1", "train.max_steps=6", "train.log_every=1", "eval.max_users=300"]
 
 # name -> size -> (config, backend, nproc, --set items)
@@ -65,7 +69,8 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, int, list[str]]]] = {
     },
     "ranking": {
         "ci": ("kuairand_rank", "torch", 1, _RANK_TINY),
-        "full": ("kuairand_rank", "torch", 1, ["train.max_steps=60", "train.log_every=10", "train.checkpoint_every=30"]),
+        "full": ("kuairand_rank", "torch", 1, ["train.max_steps=60", "train.log_every=10", "train.checkpoint_every=30",
+                                                    _RANK_RECORDED_NORM]),
     },
     "hash_evict": {
         "ci": ("quickstart", "torch", 1, _QUICK_SMALL + _EVICT),

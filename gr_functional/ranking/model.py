@@ -84,7 +84,8 @@ def init_ranking_params(cfg: RankingModelConfig, seed: int = 0) -> dict:
         "action_target": (rng.standard_normal((1, K * cfg.action_dim)) * 0.1).astype(np.float32),
         "position": rng.uniform(-1, 1, (cfg.position_buckets, D)).astype(np.float32) * math.sqrt(1.0 / cfg.position_buckets),
         "time": rng.uniform(-1, 1, (cfg.time_buckets + 1, D)).astype(np.float32) * math.sqrt(1.0 / cfg.time_buckets),
-        "stu": {f"layer{i}": init_stu_params(D, cfg.heads, cfg.dqk, cfg.dv, rng) for i in range(cfg.num_layers)},
+        "stu": {f"layer{i}": init_stu_params(D, cfg.heads, cfg.dqk, cfg.dv, rng, cfg.group_norm)
+                for i in range(cfg.num_layers)},
         "post": {"w": xavier_normal(rng, (D + 4, D)),
                  "b": np.zeros(D, np.float32), "ln_w": np.ones(D, np.float32), "ln_b": np.zeros(D, np.float32)},
         "item": item,
@@ -289,7 +290,7 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
     for i in range(cfg.num_layers):
         keep = None if batch.block_keep is None else batch.block_keep[i]
         x = stu_layer(B, params["stu"][f"layer{i}"], x, batch.layout, batch.num_targets, batch.norm_len,
-                      cfg.heads, cfg.dqk, keep)
+                      cfg.heads, cfg.dqk, keep, group_norm=cfg.group_norm)
     x_cand = B.gather_rows(x, batch.cand_rows)
     user = postprocess(B, params["post"], x_cand, batch.cand_feats)
     item = tower(B, params["item"], emb["candidates"])

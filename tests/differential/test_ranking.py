@@ -18,7 +18,19 @@ from .common import (FWD_TOL, GRAD_TOL, LAYOUT_CASES, backends_under_test, grads
 D, H, DQK, DV, N = 8, 2, 3, 4, 13
 
 
-def _oracle(p, x, offsets, targets, keep):
+def _output_norm_oracle(o, w, b, group_norm):
+    """float64 numpy: GR's output norm of ``o[T, H, dv]`` -> ``[T, H dv]`` (``pt_hstu_linear.py``:
+    ``F.group_norm(num_groups=H)`` or ``F.layer_norm`` over all H dv values), eps 1e-6, affine."""
+    T = o.shape[0]
+    if group_norm:
+        return (oracle.layer_norm(o) * w[None, :, None] + b[None, :, None]).reshape(T, -1)
+    flat = o.reshape(T, -1)
+    mean = flat.mean(axis=1, keepdims=True)
+    var = ((flat - mean) ** 2).mean(axis=1, keepdims=True)                    # biased, as torch
+    return (flat - mean) / np.sqrt(var + 1e-6) * w + b
+
+
+def _oracle(p, x, offsets, targets, keep, group_norm=True):
     """float64: the layer, token by token, as the spec writes it."""
     p = {k: v.astype(np.float64) for k, v in p.items()}
     n = oracle.layer_norm(x) * p["ln_w"] + p["ln_b"]
@@ -29,22 +41,23 @@ def _oracle(p, x, offsets, targets, keep):
     q = uvqk[:, 2 * hv:2 * hv + hq].reshape(-1, H, DQK)
     k = uvqk[:, 2 * hv + hq:].reshape(-1, H, DQK)
     o = oracle.stu_attention(q, k, v, offsets, targets, N, 1 / math.sqrt(DQK))
-    g = oracle.layer_norm(o) * p["gn_w"][None, :, None] + p["gn_b"][None, :, None]
-    y = np.concatenate([u, o.reshape(-1, hv), u * g.reshape(-1, hv)], axis=1)
+    g = _output_norm_oracle(o, p["gn_w"], p["gn_b"], group_norm)
+    y = np.concatenate([u, o.reshape(-1, hv), u * g], axis=1)
     if keep is not None:
         y = y * keep
     return x + y @ p["w_out"]
 
 
-def _inputs(case, seed=0):
+def _inputs(case, seed=0, group_norm=True):
     rng = np.random.default_rng(seed)
     layout = make_layout(case)
-    p = init_stu_params(D, H, DQK, DV, rng)
+    p = init_stu_params(D, H, DQK, DV, rng, group_norm)
+    G = H if group_norm else H * DV                                  # the output norm's width
     p["ln_w"] = rng.uniform(0.5, 1.5, D).astype(np.float32)        # non-trivial affine parts
     p["ln_b"] = rng.normal(0, 0.1, D).astype(np.float32)
     p["b_uvqk"] = rng.normal(0, 0.1, p["b_uvqk"].shape).astype(np.float32)
-    p["gn_w"] = rng.uniform(0.5, 1.5, H).astype(np.float32)
-    p["gn_b"] = rng.normal(0, 0.1, H).astype(np.float32)
+    p["gn_w"] = rng.uniform(0.5, 1.5, G).astype(np.float32)
+    p["gn_b"] = rng.normal(0, 0.1, G).astype(np.float32)
     x = rng.standard_normal((layout.t_cap, D)).astype(np.float32)
     lengths = np.asarray(layout.lengths)
     targets = np.minimum(np.arange(len(lengths)) % 3 + 1, lengths).astype(np.int32)
@@ -54,26 +67,29 @@ def _inputs(case, seed=0):
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("dropout", [False, True])
-def test_stu_layer_vs_oracle(backend, case, dropout):
-    layout, p, x, targets, keep = _inputs(case)
+@pytest.mark.parametrize("group_norm", [True, False])
+def test_stu_layer_vs_oracle(backend, case, dropout, group_norm):
+    layout, p, x, targets, keep = _inputs(case, group_norm=group_norm)
     keep = keep if dropout else None
     out = stu_layer(backend, backend.asarray_tree(p), backend.asarray(x), backend.asarray_tree(layout),
-                    backend.asarray(targets), N, H, DQK, None if keep is None else backend.asarray(keep))
-    want = _oracle(p, x.astype(np.float64), np.asarray(layout.offsets), targets, keep)
+                    backend.asarray(targets), N, H, DQK, None if keep is None else backend.asarray(keep),
+                    group_norm=group_norm)
+    want = _oracle(p, x.astype(np.float64), np.asarray(layout.offsets), targets, keep, group_norm)
     real = layout.num_tokens()
     assert rel_err(backend.to_numpy(out)[:real], want[:real]) <= FWD_TOL
 
 
 @pytest.mark.parametrize("case", ["mixed", "empty_slots"])
-def test_stu_layer_gradients(case):
-    layout, p, x, targets, keep = _inputs(case, seed=1)
+@pytest.mark.parametrize("group_norm", [True, False])
+def test_stu_layer_gradients(case, group_norm):
+    layout, p, x, targets, keep = _inputs(case, seed=1, group_norm=group_norm)
     real = np.zeros((layout.t_cap, 1), np.float32)
     real[:layout.num_tokens()] = 1.0
     cot = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32) * real   # real tokens only
     inputs = {"p": p, "x": x, "layout": layout, "targets": targets, "keep": keep, "cot": cot}
 
     def f(B, a):
-        out = stu_layer(B, a["p"], a["x"], a["layout"], a["targets"], N, H, DQK, a["keep"])
+        out = stu_layer(B, a["p"], a["x"], a["layout"], a["targets"], N, H, DQK, a["keep"], group_norm=group_norm)
         return B.xp.sum(out * a["cot"])
 
     ref = grads(reference_grad_backend(), f, inputs)
@@ -309,15 +325,17 @@ def test_ranking_batch_of_the_log_sample(sample_seqs):
     assert b.ctx_ids[:, 0].tolist() == [98, 99, 100, 101]                    # user ids 0..3 after the 97 video rows
 
 
-def test_ranking_model_agrees_across_backends_and_learns(sample_seqs):
+@pytest.mark.parametrize("group_norm", [False, True])
+def test_ranking_model_agrees_across_backends_and_learns(sample_seqs, group_norm):
     """The joined model on the real log sample (with dropout masks): per-task losses and every
-    gradient equal across backends, and 8 steps of plain gradient descent lower the loss on both."""
+    gradient equal across backends, and 8 steps of plain gradient descent lower the loss on both;
+    with either output norm (``ranking.group_norm``)."""
     from gr_functional.ranking.model import RankingModelConfig, init_ranking_params, make_ranking_batch, ranking_loss
     from gr_functional.tree import tree_leaves, tree_map
 
     from ..conftest import test_backend_names
 
-    cfg = RankingModelConfig(**SMALL)
+    cfg = RankingModelConfig(**SMALL, group_norm=group_norm)
     batch = make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg, rng=np.random.default_rng(0))
     params = init_ranking_params(cfg, seed=0)
     results = {}
@@ -340,6 +358,60 @@ def test_ranking_model_agrees_across_backends_and_learns(sample_seqs):
         assert rel_err(tasks, ref_tasks) <= 1e-5
         assert all(rel_err(a, b) <= 1e-4 for a, b in zip(tree_leaves(grads_), tree_leaves(ref_grads)))
         assert rel_err(curve, ref_curve) <= 1e-4
+
+
+def test_output_norm_shapes_follow_group_norm():
+    """``ranking.group_norm``: GR HEAD's LayerNorm over all heads' values (weights ``[H dv]``, the
+    default) or 2e81fab's per-head GroupNorm (``[H]``); nothing else changes, not even the other
+    parameters' values (the norm's init draws nothing)."""
+    from gr_functional.config import RankingConfig
+    from gr_functional.ranking.model import RankingModelConfig, init_ranking_params, ranking_param_shapes
+    from gr_functional.ranking.stu import stu_param_shapes
+    from gr_functional.tree import tree_items
+
+    assert RankingConfig().group_norm is False                                 # GR HEAD db1bf8f's kuairand-1k
+    assert stu_param_shapes(12, 2, 3, 4, group_norm=False)["gn_w"] == (8,)
+    assert stu_param_shapes(12, 2, 3, 4, group_norm=True)["gn_b"] == (2,)
+    out = {}
+    for group_norm in (False, True):
+        cfg = RankingModelConfig(**SMALL, group_norm=group_norm)
+        params = dict(tree_items(init_ranking_params(cfg, seed=0)))
+        shapes = ranking_param_shapes(cfg)
+        width = cfg.heads if group_norm else cfg.heads * cfg.dv
+        for i in range(cfg.num_layers):
+            for name in ("gn_w", "gn_b"):
+                assert params[f"stu.layer{i}.{name}"].shape == shapes[f"stu.layer{i}.{name}"] == (width,)
+            assert np.all(params[f"stu.layer{i}.gn_w"] == 1) and np.all(params[f"stu.layer{i}.gn_b"] == 0)
+        out[group_norm] = params
+    assert out[False].keys() == out[True].keys()
+    for key, value in out[False].items():
+        if key.rsplit(".", 1)[-1] not in ("gn_w", "gn_b"):
+            np.testing.assert_array_equal(value, out[True][key])
+
+
+def test_group_norm_false_is_one_layer_norm_over_all_heads(backend):
+    """``group_norm = false`` on a token whose heads differ in scale: one mean and variance over all
+    H dv values (float64 numpy), not one per head; ``true`` is the per-head GroupNorm."""
+    from gr_functional.ranking.stu import output_norm
+
+    rng = np.random.default_rng(3)
+    o = rng.standard_normal((5, H, DV)) * np.asarray([1.0, 7.0])[None, :, None] + np.asarray([0.0, 3.0])[None, :, None]
+    o = o.astype(np.float32)
+    for group_norm, width in ((False, H * DV), (True, H)):
+        w = rng.uniform(0.5, 1.5, width).astype(np.float32)
+        b = rng.normal(0, 0.1, width).astype(np.float32)
+        got = backend.to_numpy(output_norm(backend, backend.asarray(o), backend.asarray(w), backend.asarray(b), group_norm))
+        want = _output_norm_oracle(o.astype(np.float64), w.astype(np.float64), b.astype(np.float64), group_norm)
+        assert got.shape == (5, H * DV)
+        assert rel_err(got, want) <= FWD_TOL, group_norm
+    flat = o.reshape(5, -1).astype(np.float64)
+    ln = (flat - flat.mean(1, keepdims=True)) / np.sqrt(flat.var(1, keepdims=True) + 1e-6)
+    ones = backend.asarray(np.ones(H * DV, np.float32))
+    got = backend.to_numpy(output_norm(backend, backend.asarray(o), ones, ones * 0, False))
+    assert rel_err(got, ln) <= FWD_TOL
+    per_head = backend.to_numpy(output_norm(backend, backend.asarray(o), backend.asarray(np.ones(H, np.float32)),
+                                            backend.asarray(np.zeros(H, np.float32)), True))
+    assert np.abs(per_head - got).max() > 0.1                                   # the two norms differ here
 
 
 def test_item_tower_and_task_head_widths_are_gr_constants():
