@@ -534,9 +534,10 @@ MOVED_KEYS = {("model", "temperature"): ("loss", "temperature"),
               ("backend", "hstu_kernel"): ("ops", "attention"),
               ("backend", "row_kernel"): ("ops", "row_update")}
 # Keys added with a default that is not what a run written before them computed: (section, key) ->
-# the value such a stored config (OUT/config.toml, a checkpoint's) means. Read only for stored
-# configs that have the section; a user's file without the key gets the new default.
-ADDED_KEYS = {("ranking", "group_norm"): True}   # per-head GroupNorm until GR HEAD's LayerNorm became the default
+# (the value such a stored config (OUT/config.toml, a checkpoint's) means, the (section, key, value)
+# that makes the key matter). Read only for stored configs; a user's file without the key gets the
+# new default, and so does a stored config the key does not matter to (a retrieval run's [ranking]).
+ADDED_KEYS = {("ranking", "group_norm"): (True, ("model", "task", "ranking"))}   # per-head GroupNorm until GR HEAD's LayerNorm
 # backend.cpu_fused (a switch of every fused C++ CPU op) became one [ops] key per op: false meant
 # these choices (attention "default"/"best" ran jagged then)
 CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
@@ -550,8 +551,8 @@ def migrate(values: dict, source: str = "<config>", origins: dict | None = None,
     origins = origins or {}
     values = {name: dict(body) if isinstance(body, dict) else body for name, body in values.items()}
     if stored:
-        for (section, key), value in ADDED_KEYS.items():
-            if isinstance(values.get(section), dict):
+        for (section, key), (value, (when_section, when_key, when_value)) in ADDED_KEYS.items():
+            if isinstance(values.get(section), dict) and values.get(when_section, {}).get(when_key) == when_value:
                 values[section].setdefault(key, value)
     for (old, key), (new, new_key) in MOVED_KEYS.items():
         if not isinstance(values.get(old), dict) or key not in values[old]:
