@@ -398,15 +398,18 @@ class EmbeddingConfig:
 @dataclass(frozen=True)
 class RankingConfig:
     """dlrm_v3's HSTU ranking model (``model.task = "ranking"``; gr_functional/ranking/, spec
-    docs/design/dlrm_v3_ranking_spec.md). Defaults are GR's kuairand-1k gin values (spec section 1)."""
+    docs/design/dlrm_v3_ranking_spec.md). Defaults are GR HEAD db1bf8f's kuairand-1k
+    (``dlrm_v3/configs.py``): 512-wide tables, 5 STU layers, max_seq_len 16384, the LayerNorm output
+    norm (GR 2e81fab's: 256, 3, 2056 and the per-head GroupNorm; a run's own config.toml keeps what it
+    trained with)."""
 
-    embed_dim: int = _range(256, ge=1)        # embedding tables
+    embed_dim: int = _range(512, ge=1)        # embedding tables
     dim: int = _range(512, ge=1)              # model width
-    num_layers: int = _range(3, ge=1)
+    num_layers: int = _range(5, ge=1)
     heads: int = _range(4, ge=1)
     dqk: int = _range(128, ge=1)
     dv: int = _range(128, ge=1)
-    max_seq_len: int = _range(2056, ge=1)     # contextual + history + candidates
+    max_seq_len: int = _range(16384, ge=1)    # contextual + history + candidates
     num_candidates: int = _range(10, ge=1)
     video_table: int = _range(10_000_000, ge=1)
     context_tables: tuple[int, ...] = (10_000_000, 8, 9, 9, 8, 8)   # user_id and the 5 user features
@@ -541,6 +544,12 @@ ADDED_KEYS = {("ranking", "group_norm"): (True, ("model", "task", "ranking"))}  
 # backend.cpu_fused (a switch of every fused C++ CPU op) became one [ops] key per op: false meant
 # these choices (attention "default"/"best" ran jagged then)
 CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
+
+
+def unread_sections(task: str) -> tuple[str, ...]:
+    """Config sections a run of ``task`` never reads: a change there (a moved default) changes
+    nothing it computes, so resuming and the refactor fingerprints ignore them."""
+    return () if task == "ranking" else ("ranking",)
 
 
 def migrate(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = True) -> dict:

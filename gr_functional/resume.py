@@ -15,7 +15,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointDir, CheckpointError
 from .log import warn
-from .config import Config, ConfigError
+from .config import Config, ConfigError, unread_sections
 from .errors import DataError
 from .runlock import RunLocked
 from .step import dense_state, init_loss_scale
@@ -50,7 +50,8 @@ _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim) if f
 def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
     """``(errors, notes)``: keys that forbid resuming ``saved`` under ``now``, and allowed changes."""
     errors, notes = [], []
-    keys = [(s, f.name) for s in _MATCH_SECTIONS for f in dataclasses.fields(getattr(now, s))
+    unread = set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
+    keys = [(s, f.name) for s in _MATCH_SECTIONS if s not in unread for f in dataclasses.fields(getattr(now, s))
             if (s, f.name) not in _NOTE_KEYS]
     keys += [("train", k) for k in _MATCH_TRAIN] + [("optim", k) for k in _MATCH_OPTIM]
     if saved.data.ties == now.data.ties == "file":
@@ -69,7 +70,10 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
 def config_changes(saved: Config, now: Config) -> dict:
     """``{"section.key": [saved value, now]}`` of every key that differs (a resume records them)."""
     out = {}
+    unread = set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
     for section in dataclasses.fields(now):
+        if section.name in unread:
+            continue
         a, b = getattr(saved, section.name), getattr(now, section.name)
         for f in dataclasses.fields(b):
             old, new = getattr(a, f.name), getattr(b, f.name)
