@@ -67,10 +67,13 @@ def test_a_table_in_a_written_page_is_generated_from_its_results_file(tmp_path, 
     page = tmp_path / "docs" / "speed.md"
     page.parent.mkdir()
     page.write_text('Prose.\n<!-- grf:table results/b.jsonl columns="backend, mfu:MFU:.1%, bytes:MiB:MiB, hr:HR@10:±" '
-                    'where="backend:torch" -->\nold\n<!-- grf:end -->\nMore prose.\n')
+                    'where="backend:torch" -->\nold\n<!-- grf:end -->\nMore prose.\n'
+                    '```markdown\n<!-- grf:table results/NAME.jsonl columns="x" -->\n<!-- grf:end -->\n```\n')
     monkeypatch.setattr(gen, "ROOT", tmp_path)
     text = gen.fill_tables(page.read_text(), page)
-    assert text.startswith("Prose.\n<!-- grf:table") and text.endswith("<!-- grf:end -->\nMore prose.\n")
+    assert text.startswith("Prose.\n<!-- grf:table") and "<!-- grf:end -->\nMore prose.\n" in text
+    assert text.endswith('```markdown\n<!-- grf:table results/NAME.jsonl columns="x" -->\n<!-- grf:end -->\n```\n')
+    # (an example block in fenced code, as docs/extending/benchmark.md shows one, is left as written)
     assert "| torch | 33.7% | 3 | 0.3000 ± 0.0010 |" in text and "| jax |" not in text
     assert "`grf bench b --record`" in text and "old" not in text
     assert gen.fill_tables(text, page) == text  # generated once, stable

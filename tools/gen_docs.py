@@ -308,14 +308,21 @@ def table_block(args: str, page: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.S | re.M)
+
+
 def fill_tables(text: str, page: Path) -> str:
-    return TABLE_BLOCK.sub(lambda m: m.group(1) + "\n" + table_block(m.group("args"), page) + "\n" + m.group(4),
-                           text)
+    """``text`` with every ``grf:table`` block outside fenced code filled from its results file."""
+    parts = FENCE.split(text)   # odd parts are fenced code: an example block there stays as written
+    return "".join(part if i % 2 else TABLE_BLOCK.sub(
+        lambda m: m.group(1) + "\n" + table_block(m.group("args"), page) + "\n" + m.group(4), part)
+        for i, part in enumerate(parts))
 
 
 def written_pages() -> list[Path]:
     """Written (not generated) pages that hold ``grf:table`` blocks."""
-    return [p for p in sorted((ROOT / "docs").rglob("*.md")) if p not in PAGES and "<!-- grf:table" in p.read_text()]
+    return [p for p in sorted((ROOT / "docs").rglob("*.md"))
+            if p not in PAGES and TABLE_BLOCK.search("".join(FENCE.split(p.read_text())[::2]))]
 
 
 
