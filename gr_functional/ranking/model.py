@@ -159,12 +159,19 @@ class RankingBatch:
 
 
 def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
-                       ends=None, pad: bool = False) -> RankingBatch:
+                       ends=None, pad: bool = False, num_targets=None, own_query_times: bool = False) -> RankingBatch:
     """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
     ``rng`` draws the dropout masks (None: evaluation, no dropout). ``ends[i]`` (default: every
     user's length) cuts user i's sequence at that event: its candidates are the ``num_candidates``
     events before it (a chronological split's training and validation samples). A user needs
     more events than ``num_candidates`` (GR skips the others too).
+
+    ``num_targets[i]`` (default: ``num_candidates`` each), 1..num_candidates, gives user i that
+    many candidates instead (its last events; the history before them), as GR's model takes per
+    sample; the candidates then come user after user, ``sum(num_targets)`` of them, the padding
+    ones after. ``own_query_times``: each candidate's query time is its own event time, not the
+    newest kept history event's (GR's KuaiRand loader's, the default); the time buckets then count
+    from the sequence's last candidate's time, as GR's kernel does.
 
     Shapes: exact (users, item tokens, candidates; the attention width is the longest sequence),
     tokens padded to the capacity ladder; with ``pad`` (``Backend.static_shapes``: JAX compiles a
@@ -175,29 +182,35 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     S, C = cfg.contextual, cfg.num_candidates
     if len(users) == 0:
         raise ValueError("make_ranking_batch needs at least one user")
+    counts = [C] * len(users) if num_targets is None else [int(c) for c in num_targets]
+    if len(counts) != len(users) or not all(1 <= c <= C for c in counts):
+        raise ValueError(f"num_targets {counts}: one count per user, each 1..num_candidates={C}")
     items, bits, cand_flag, times, lengths, targets = [], [], [], [], [], []
     cand_items, cand_bits, query = [], [], []
     for i, u in enumerate(users):
         seq = seqs.sequence(u)
         if ends is not None:
             seq = {name: col[:int(ends[i])] for name, col in seq.items()}
-        n = len(seq["video_id"])
-        if n <= C:
+        n, c = len(seq["video_id"]), counts[i]
+        if n <= c:
             raise ValueError(f"user {int(seqs.users[u])} has {n} events; a ranking sample needs more than "
-                             f"num_candidates={C}")
-        hist = slice(0, min(n - C, cfg.max_history))                   # the oldest history events, as GR keeps
-        cand = slice(n - C, n)
+                             f"its candidates ({c}; num_candidates={C})")
+        hist = slice(0, min(n - c, cfg.max_history))                   # the oldest history events, as GR keeps
+        cand = slice(n - c, n)
         v = seq["video_id"] % cfg.video_table
         items += [v[hist], v[cand]]
-        bits += [seq["action_weights"][hist], np.zeros(C, np.int64)]
-        cand_flag += [np.zeros(hist.stop), np.ones(C)]
-        q = int(seq["time_ms"][hist].max())                             # the candidates' query time
-        times += [np.zeros(S, np.int64), seq["time_ms"][hist], np.full(C, q)]
-        lengths.append(S + hist.stop + C)
-        targets.append(C)
+        bits += [seq["action_weights"][hist], np.zeros(c, np.int64)]
+        cand_flag += [np.zeros(hist.stop), np.ones(c)]
+        if own_query_times:
+            q = np.asarray(seq["time_ms"][cand], np.int64)
+        else:
+            q = np.full(c, int(seq["time_ms"][hist].max()), np.int64)  # the candidates' query time
+        times += [np.zeros(S, np.int64), seq["time_ms"][hist], q]
+        lengths.append(S + hist.stop + c)
+        targets.append(c)
         cand_items.append(v[cand])
         cand_bits.append(seq["action_weights"][cand])
-        query.append(np.full(C, q))
+        query.append(q)
     n_users, T, longest = len(users), int(sum(lengths)), int(max(lengths))
     n = T - n_users * S                                                 # item tokens
     t_exact = round_up_capacity(T)
@@ -208,7 +221,7 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         n_cap = t_cap - b_cap * S
     else:
         b_cap, t_cap, width, n_cap = n_users, t_exact, longest, n
-    c_cap = b_cap * C
+    c_cap = b_cap * C if pad else int(sum(targets))                    # the same unless num_targets is given
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     layout = Jagged.from_offsets(np.zeros(T, np.int32), offsets, max_len=width, b_cap=b_cap, t_cap=t_cap)
     ctx = np.stack([np.concatenate([[seqs.users[u]], [seqs.context[name][u] for name in CONTEXT_FEATURES]])
@@ -216,7 +229,7 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     starts = _feature_rows(cfg)
     ctx = ctx + np.asarray([starts[f][1] for f in ID_FEATURES[1:]])                 # rows of their tables
     video_start = starts["video_id"][1]
-    cand_rows = np.concatenate([offsets[b] + lengths[b] - C + np.arange(C) for b in range(n_users)])
+    cand_rows = np.concatenate([offsets[b] + lengths[b] - targets[b] + np.arange(targets[b]) for b in range(n_users)])
     timestamps = np.concatenate(times)
 
     def fill(x, size, value=0, axis=0):

@@ -325,6 +325,44 @@ def test_ranking_batch_of_the_log_sample(sample_seqs):
     assert b.ctx_ids[:, 0].tolist() == [98, 99, 100, 101]                    # user ids 0..3 after the 97 video rows
 
 
+def test_a_batch_with_a_count_of_candidates_per_user(sample_seqs):
+    """GR's model takes a number of candidates per sample (``num_targets``): a batch whose users
+    have 5, 2, 4 and 1 candidates scores each user as a batch of that user alone with that many
+    candidates would (the same normaliser N; history long enough not to be truncated), padded or
+    exact; with ``own_query_times``
+    each candidate is aged from its own event time."""
+    import dataclasses
+
+    from backends import get_backend
+    from gr_functional.ranking.model import RankingModelConfig, init_ranking_params, make_ranking_batch, ranking_logits
+
+    B = get_backend("torch")
+    wide = dict(SMALL, max_seq_len=200)
+    cfg = RankingModelConfig(**wide)
+    params = B.asarray_tree(init_ranking_params(cfg, seed=0))
+    counts = [5, 2, 4, 1]
+
+    def logits(batch, c):
+        return B.to_numpy(ranking_logits(B, params, B.asarray_tree(batch), c))
+
+    mixed = make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg, num_targets=counts)
+    got = logits(mixed, cfg)[:sum(counts)]
+    padded = logits(make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg, num_targets=counts, pad=True), cfg)
+    owners = np.repeat(np.arange(4), counts)
+    for u, c in enumerate(counts):
+        alone = dataclasses.replace(cfg, num_candidates=c)
+        single = make_ranking_batch(sample_seqs, [u], alone)
+        single = dataclasses.replace(single, norm_len=mixed.norm_len)   # GR's N: the batch's longest sequence
+        ref = logits(single, alone)[:c]
+        np.testing.assert_allclose(got[owners == u], ref, rtol=1e-5, atol=1e-6)
+    # padding users and candidates come after the real ones and change nothing
+    np.testing.assert_allclose(padded[:sum(counts)], got, rtol=1e-5, atol=1e-6)
+    own = make_ranking_batch(sample_seqs, [0, 1, 2, 3], cfg, num_targets=counts, own_query_times=True)
+    assert not np.array_equal(own.time_idx, mixed.time_idx)
+    with pytest.raises(ValueError, match="num_targets"):
+        make_ranking_batch(sample_seqs, [0, 1], cfg, num_targets=[6, 1])
+
+
 @pytest.mark.parametrize("group_norm", [False, True])
 def test_ranking_model_agrees_across_backends_and_learns(sample_seqs, group_norm):
     """The joined model on the real log sample (with dropout masks): per-task losses and every
