@@ -335,15 +335,46 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="torch", help="our backends to compare, comma-separated (torch, jax)")
     ap.add_argument("--dtypes", default="float32,float64", help="our dtypes, comma-separated")
+    ap.add_argument("--matrix", action="store_true",
+                    help="every case in one run: --group-norm false and true, each with GR's loader batch and with "
+                         "--num-targets 5,2,4,1 --own-query-times")
+    ap.add_argument("--record", metavar="FILE",
+                    help="also write one row per case, backend and dtype (worst errors), stamped with the command, "
+                         "date, commit and machine (gr_functional/results.py), e.g. results/gr_crosscheck/ranking.jsonl")
     args = ap.parse_args(argv)
 
     for p in (str(PROJECT), args.gr_src):
         if p not in sys.path:
             sys.path.insert(0, p)
-    import numpy as np
     import torch
 
     torch.set_num_threads(args.threads)
+    cases = [dict(group_norm=g, num_targets=n, own_query_times=bool(n)) for g in ("false", "true")
+             for n in ("", "5,2,4,1")] if args.matrix else [{}]
+    records, worst_all = [], 0.0
+    for case in cases:
+        case_args = argparse.Namespace(**{**vars(args), **case})
+        if case:
+            print(f"\n######## case: {case}")
+        rows, worst = compare_case(case_args)
+        records += rows
+        worst_all = max(worst_all, worst)
+    ok = worst_all <= args.tol
+    print(f"\n{'OK' if ok else 'MISMATCH'}: worst relative error {worst_all:.3e} (tolerance {args.tol:g})")
+    if args.record:
+        from gr_functional import results
+
+        command = "python tools/gr_ranking_crosscheck.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(f"{len(records)} records written to {results.write(args.record, command, records)}")
+    return 0 if ok else 1
+
+
+def compare_case(args) -> tuple[list[dict], float]:
+    """One comparison (``args``: main's, with this case's group_norm / num_targets /
+    own_query_times): ``(rows, worst relative error)``, one row per backend and dtype."""
+    import numpy as np
+    import torch
+
     from gr_functional.data.sources import kuairand_ranking as kr
     from gr_functional.data.sources.kuairand import load_kuairand_log
     from gr_functional.data.sources.kuairand_features import load_kuairand_features
@@ -395,7 +426,7 @@ def main(argv=None) -> int:
     print(f"GR {gr_describe(args.gr_src)}; bf16_training={'False' if 'bf16_training' in inspect.signature(type(model).__init__).parameters else '(no such argument)'}; "
           f"unused GR parameters left out: {len(unused)}")
     print(f"GR total loss {gr['loss']:.8f}")
-    worst_all = 0.0
+    worst_all, records = 0.0, []
     for backend, dtype in [(b, d) for b in args.backends.split(",") for d in args.dtypes.split(",")]:
         try:
             ours = run_ours(seqs, users, cfg, params, backend, dtype, num_targets, args.own_query_times)
@@ -426,9 +457,14 @@ def main(argv=None) -> int:
         worst_grad = max(e for _, e, _ in grad_rows)
         print(f"  worst ({backend}, {dtype}): forward {worst_fwd:.3e}, gradients {worst_grad:.3e}")
         worst_all = max(worst_all, worst_fwd, worst_grad)
-    ok = worst_all <= args.tol
-    print(f"\n{'OK' if ok else 'MISMATCH'}: worst relative error {worst_all:.3e} (tolerance {args.tol:g})")
-    return 0 if ok else 1
+        worst_param = max(grad_rows, key=lambda r: r[1])[0].split("<- ")[-1]
+        records.append({"gr": gr_describe(args.gr_src).rsplit(" at ", 1)[-1], "group_norm": cfg.group_norm,
+                        "candidates": ",".join(map(str, batch.candidates_features_kjt.lengths()[:len(users)].tolist())),
+                        "query_times": "own" if args.own_query_times else "history", "backend": backend,
+                        "dtype": dtype, "logits": rows[0][1], "preds": rows[1][1],
+                        "task_losses": max(e for label, e in rows[2:]), "gradients": worst_grad,
+                        "worst_gradient": worst_param, "ok": max(worst_fwd, worst_grad) <= args.tol})
+    return records, worst_all
 
 
 if __name__ == "__main__":
