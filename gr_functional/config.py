@@ -10,6 +10,7 @@ and the fix; an unknown key suggests the nearest valid one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import tomllib
@@ -29,6 +30,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Deterministic = Literal["auto", "on", "off"]
 DistBackend = Literal["gloo", "nccl", "hccl"]
 DistBalance = Literal["none", "kk", "lookahead"]
+RankingSplit = Literal["windows", "temporal"]
 Ties = Literal["file", "shuffle"]
 NegativeSamplerName = Literal["uniform", "popularity"]
 NegativesPrecision = Literal["fp32", "fp16", "bf16"]
@@ -103,6 +105,20 @@ class DataConfig:
     csv_time_unit: Literal["s", "ms", "us", "ns"] = "s"  # numeric times are floored to integer seconds
     csv_rating: str = ""            # optional rating column ("" = none) ...
     csv_min_rating: float = _range(0.0)  # ... rows rated below this are dropped
+    # How ranking samples are split (model.task = "ranking"; gr_functional/ranking/data.py).
+    # "windows": per user, test = the last ranking.num_candidates (C) events, validation the C
+    # before, training every earlier window of C after a history event (every user in every split;
+    # a user needs 3 C + 1 events). "temporal", as KuaiRand papers split: events before valid_start
+    # train (windows of C, each after a history event), validation = each user's events in
+    # [valid_start, test_start), test = those in [test_start, test_end): candidates in chunks of up
+    # to C, history everything before the window; a user without events in a window, or without
+    # history before it, has no sample there.
+    split: RankingSplit = "windows"
+    # The cutoffs of "temporal": a date or time ("2022-05-01", "2022-05-01T00:00:00+08:00"; without
+    # an offset it is UTC) or epoch milliseconds ("1651334400000"); test_end "" = to the end of the data
+    valid_start: str = ""
+    test_start: str = ""
+    test_end: str = ""
 
 
 @dataclass(frozen=True)
@@ -519,6 +535,8 @@ def _coerce(value: Any, typ, where: str, from_text: bool = False):
     if typ is str:
         if from_text and isinstance(value, int) and not isinstance(value, bool):
             return str(value)  # --set data.csv_user=0: a column index typed bare on the command line
+        if isinstance(value, (datetime.date, datetime.time)):
+            return value.isoformat()  # a TOML date or time written bare (data.valid_start = 2022-05-01)
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
@@ -736,8 +754,43 @@ _RANKING_REFUSES = (
 )
 
 
+def cutoff_ms(text: str) -> int:
+    """Epoch milliseconds of a cutoff (``data.valid_start`` ...): digits are milliseconds, else an
+    ISO date or time, UTC unless it has an offset; ValueError naming the forms."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError('not a date, a time or epoch milliseconds (e.g. "2022-05-01", '
+                         '"2022-05-01T00:00:00+08:00", "1651334400000")') from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return int(when.timestamp() * 1000)
+
+
 def _validate_ranking(cfg: Config, fail) -> None:
     """The rules of ``model.task = "ranking"`` (gr_functional/ranking/task.py)."""
+    d = cfg.data
+    if d.split == "temporal":
+        cut = {}
+        for key in ("valid_start", "test_start", "test_end"):
+            if getattr(d, key) == "" and key != "test_end":
+                fail("data", key, 'data.split="temporal" needs it: the first time of the validation window '
+                                  '(valid_start) or of the test window (test_start), e.g. "2022-05-01"')
+            try:
+                cut[key] = cutoff_ms(getattr(d, key)) if getattr(d, key) else None
+            except ValueError as exc:
+                fail("data", key, str(exc))
+        if cut["valid_start"] >= cut["test_start"]:
+            fail("data", "test_start", f"must come after data.valid_start={d.valid_start!r}: validation is "
+                                       f"[valid_start, test_start)")
+        if cut["test_end"] is not None and cut["test_end"] <= cut["test_start"]:
+            fail("data", "test_end", f"must come after data.test_start={d.test_start!r} (or be \"\": to the end)")
+    elif any(getattr(d, key) for key in ("valid_start", "test_start", "test_end")):
+        key = next(k for k in ("valid_start", "test_start", "test_end") if getattr(d, k))
+        fail("data", key, 'is a cutoff of data.split="temporal"; set data.split="temporal" or drop it')
     for section, key, keep, why in _RANKING_REFUSES:
         if getattr(getattr(cfg, section), key) != keep:
             fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")

@@ -18,6 +18,11 @@ before them, and training has one sample per earlier window of C events: candida
 sample's history is every event before its candidates (truncated to ``ranking.max_history``, the
 oldest kept, as GR does). GR's own protocol differs: one sample per user (its last C events),
 users split 75/25 by file order, no validation (docs/design/dlrm_v3_ranking_spec.md section 5.3).
+
+``data.split = "temporal"`` (``temporal_split``) splits by time instead, as KuaiRand papers do:
+training windows before ``data.valid_start``, then each user's impressions in the validation and
+test windows as candidates (a variable number per user, in chunks of up to C), their history
+everything before the window; it needs no minimum number of events per user.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import cutoff_ms
 from ..data.registry import get_dataset
 from ..data.registry import names as dataset_names
 from ..errors import DataError
@@ -62,13 +68,35 @@ def fingerprint(seqs: RankingSequences) -> str:
 @dataclasses.dataclass
 class Samples:
     """``users[S]`` (indices into the sequences) and ``ends[S]``: sample i's candidates are the
-    ``num_candidates`` events of user ``users[i]`` before event ``ends[i]``."""
+    ``counts[i]`` events of user ``users[i]`` before event ``ends[i]`` (default ``num_candidates``
+    each), its history the events before ``history_ends[i]`` (default: before the candidates)."""
 
     users: np.ndarray
     ends: np.ndarray
+    counts: np.ndarray | None = None          # [S] int, 1..num_candidates (a temporal split's windows)
+    history_ends: np.ndarray | None = None    # [S] int (a temporal split's window starts)
 
     def __len__(self) -> int:
         return len(self.users)
+
+    def take(self, n: int) -> "Samples":
+        """The first ``n`` samples."""
+        cut = lambda a: None if a is None else a[:n]  # noqa: E731
+        return Samples(self.users[:n], self.ends[:n], cut(self.counts), cut(self.history_ends))
+
+    def batch_args(self, pick) -> dict:
+        """``make_ranking_batch``'s per-sample arguments for the samples ``pick``."""
+        return {"ends": self.ends[pick], "num_targets": None if self.counts is None else self.counts[pick],
+                "history_ends": None if self.history_ends is None else self.history_ends[pick]}
+
+    def tokens(self, model_cfg) -> np.ndarray:
+        """``[S]`` each sample's tokens as ``make_ranking_batch`` lays it out: contextual, history,
+        candidates."""
+        C = model_cfg.num_candidates
+        counts = np.full(len(self.users), C) if self.counts is None else np.asarray(self.counts)
+        ends = np.asarray(self.ends)
+        before = ends - counts if self.history_ends is None else np.minimum(self.history_ends, ends - counts)
+        return model_cfg.contextual + np.minimum(before, model_cfg.max_history) + counts
 
 
 @dataclasses.dataclass
@@ -99,6 +127,78 @@ def chronological_split(seqs: RankingSequences, num_candidates: int) -> RankingS
                          valid=Samples(users, lengths - C), test=Samples(users, lengths.copy()))
 
 
+def temporal_split(seqs: RankingSequences, num_candidates: int, valid_start: int, test_start: int,
+                   test_end: int | None = None, source: str = "the data") -> tuple[RankingSplits, dict]:
+    """``(splits, counts)`` by time (``data.split = "temporal"``, cutoffs in epoch ms; config.py's
+    ``DataConfig.split``): training = windows of ``num_candidates`` events before ``valid_start``,
+    each after at least one history event (the latest window ends at the last training event);
+    validation / test = each user's events in ``[valid_start, test_start)`` / ``[test_start,
+    test_end)`` in chunks of up to C, every chunk with the history before its window. ``counts``:
+    users without history before a window or without events in it (no sample there). DataError
+    naming the key when a cutoff leaves a split empty."""
+    C = num_candidates
+    times = np.asarray(seqs.columns["time_ms"], np.int64)
+    t_min, t_max = int(times.min()), int(times.max())
+    lengths = np.diff(seqs.offsets)
+    tu, te, tc = [], [], []
+    window = {"valid": ([], [], [], []), "test": ([], [], [], [])}
+    skipped = {"valid_no_history": 0, "test_no_history": 0}
+    bounds = {"valid": (valid_start, test_start), "test": (test_start, test_end if test_end is not None else t_max + 1)}
+    for u, n in enumerate(lengths):
+        t = times[seqs.offsets[u]:seqs.offsets[u + 1]]
+        if np.any(np.diff(t) < 0):
+            raise DataError(f"{source}: user {int(seqs.users[u])}'s events are not in time order; a temporal split "
+                            f"needs each user's events sorted by time_ms")
+        n_train = int(np.searchsorted(t, valid_start, side="left"))
+        ends = np.arange(n_train, 1, -C)                          # candidates [e - c, e), c <= C, after >= 1
+        tu.append(np.full(len(ends), u))                          # history event: the earliest chunk may be short
+        te.append(ends)
+        tc.append(np.minimum(C, ends - 1))
+        for name, (lo, hi) in bounds.items():
+            a, b = (int(np.searchsorted(t, x, side="left")) for x in (lo, hi))
+            if a == b:
+                continue
+            if a == 0:
+                skipped[f"{name}_no_history"] += 1
+                continue
+            users, ends_, counts, hist = window[name]
+            for start in range(a, b, C):
+                stop = min(start + C, b)
+                users.append(u)
+                ends_.append(stop)
+                counts.append(stop - start)
+                hist.append(a)
+
+    def samples(name):
+        users, ends_, counts, hist = (np.asarray(x, np.int64) for x in window[name])
+        return Samples(users, ends_, counts, hist)
+
+    splits = RankingSplits(train=Samples(*(np.concatenate(x).astype(np.int64) for x in (tu, te, tc))),
+                           valid=samples("valid"), test=samples("test"))
+    when = lambda ms: f"{ms} ms = {np.datetime64(int(ms), 'ms')} UTC"  # noqa: E731
+    span = f"{source} spans {when(t_min)} .. {when(t_max)}"
+    for name, key in (("train", "valid_start"), ("valid", "test_start"), ("test", "test_end")):
+        if len(getattr(splits, name)) == 0:
+            raise DataError(f"data.{key}: the temporal split leaves no {name} sample ({span}; train is before "
+                            f"valid_start = {when(valid_start)}, validation before test_start = {when(test_start)}, "
+                            f"test before test_end{'' if test_end is None else ' = ' + when(test_end)}): move the "
+                            f"cutoffs inside the data")
+    return splits, skipped
+
+
+def split_samples(seqs: RankingSequences, cfg) -> tuple[RankingSplits, str]:
+    """The splits ``cfg.data.split`` asks for (``cfg``: a Config) and a line describing them."""
+    C = cfg.ranking.num_candidates
+    if cfg.data.split == "windows":
+        return chronological_split(seqs, C), f"windows of {C} (test: each user's last {C} events)"
+    d = cfg.data
+    splits, skipped = temporal_split(seqs, C, cutoff_ms(d.valid_start), cutoff_ms(d.test_start),
+                                     cutoff_ms(d.test_end) if d.test_end else None, source=f"data.dataset={d.dataset!r}")
+    return splits, (f"temporal: train before {d.valid_start}, validation to {d.test_start}, test to "
+                    f"{d.test_end or 'the end'}; {skipped['valid_no_history']:,} / {skipped['test_no_history']:,} "
+                    f"users without history before the validation / test window left out there")
+
+
 class RankingLoader:
     """Training batches of ``train.batch_size`` samples, or, with ``max_tokens > 0``
     (``train.max_tokens``), of as many consecutive samples as fit that many tokens (contextual,
@@ -112,9 +212,7 @@ class RankingLoader:
         self.seqs, self.samples, self.model_cfg = seqs, samples, model_cfg
         self.batch_size, self.seed, self.max_tokens = batch_size, seed, int(max_tokens)
         self.position = (0, 0)
-        C = model_cfg.num_candidates
-        # a sample's tokens, as make_ranking_batch lays it out: contextual + history + candidates
-        self.tokens = model_cfg.contextual + np.minimum(np.asarray(samples.ends) - C, model_cfg.max_history) + C
+        self.tokens = samples.tokens(model_cfg)
         if self.max_tokens and len(self.tokens) and self.max_tokens < int(self.tokens.max()):
             raise DataError(f"train.max_tokens={self.max_tokens} is smaller than one training sample's "
                             f"{int(self.tokens.max())} tokens; use train.max_tokens >= ranking.max_seq_len="
@@ -152,8 +250,8 @@ class RankingLoader:
     def _build(self, epoch: int, start: int, pad: bool):
         for b, pick in enumerate(self.plan(epoch)[start:], start):
             rng = np.random.default_rng((self.seed, epoch, b))
-            yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng,
-                                        ends=self.samples.ends[pick], pad=pad)
+            yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng, pad=pad,
+                                        **self.samples.batch_args(pick))
 
     def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None,
               pad: bool = False):

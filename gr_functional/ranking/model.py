@@ -159,7 +159,8 @@ class RankingBatch:
 
 
 def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
-                       ends=None, pad: bool = False, num_targets=None, own_query_times: bool = False) -> RankingBatch:
+                       ends=None, pad: bool = False, num_targets=None, own_query_times: bool = False,
+                       history_ends=None) -> RankingBatch:
     """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
     ``rng`` draws the dropout masks (None: evaluation, no dropout). ``ends[i]`` (default: every
     user's length) cuts user i's sequence at that event: its candidates are the ``num_candidates``
@@ -172,6 +173,9 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     ones after. ``own_query_times``: each candidate's query time is its own event time, not the
     newest kept history event's (GR's KuaiRand loader's, the default); the time buckets then count
     from the sequence's last candidate's time, as GR's kernel does.
+    ``history_ends[i]`` (default: the candidates' first event): user i's history is its events
+    before that one (a temporal split's window: every candidate chunk of the window sees the same
+    history, the events before the window).
 
     Shapes: exact (users, item tokens, candidates; the attention width is the longest sequence),
     tokens padded to the capacity ladder; with ``pad`` (``Backend.static_shapes``: JAX compiles a
@@ -195,7 +199,10 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         if n <= c:
             raise ValueError(f"user {int(seqs.users[u])} has {n} events; a ranking sample needs more than "
                              f"its candidates ({c}; num_candidates={C})")
-        hist = slice(0, min(n - c, cfg.max_history))                   # the oldest history events, as GR keeps
+        before = n - c if history_ends is None else min(int(history_ends[i]), n - c)
+        if before < 1:
+            raise ValueError(f"user {int(seqs.users[u])}: no history event before its candidates")
+        hist = slice(0, min(before, cfg.max_history))                  # the oldest history events, as GR keeps
         cand = slice(n - c, n)
         v = seq["video_id"] % cfg.video_table
         items += [v[hist], v[cand]]
@@ -316,28 +323,33 @@ def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
 
 
 def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
-                     scorer=None, on_batch=None, transform=None) -> dict:
+                     scorer=None, on_batch=None, transform=None, num_targets=None, history_ends=None) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus
     ``"candidates"``. GR logs torchrec's windowed AUC and NE; GAUC is the issue's addition. GR's
     attention divides by the batch's longest sequence, so a user's logits depend on its batch-mates:
     ``batch_size`` (GR: 16) is part of the evaluation protocol. ``transform(batch)``, if given,
     rewrites each host batch before scoring (hash tables: ids to rows). Batches are padded to
-    capacities where ``B.static_shapes`` (``make_ranking_batch``): the same metrics."""
+    capacities where ``B.static_shapes`` (``make_ranking_batch``): the same metrics. ``num_targets``
+    and ``history_ends`` (per sample, as ``make_ranking_batch`` takes them): a temporal split's
+    samples; GAUC then groups a user's candidates over all its samples."""
     from ..data.ranking_metrics import task_metrics
 
     logits, labels, owners = [], [], []
     score = scorer or B.jit(lambda p, b: ranking_logits(B, p, b, cfg))
     for s in range(0, len(users), batch_size):
         chunk = list(users[s:s + batch_size])
-        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[s:s + batch_size],
-                                   pad=B.static_shapes)
-        real = len(chunk) * cfg.num_candidates                          # padding candidates come last
+        part = slice(s, s + batch_size)
+        counts = [cfg.num_candidates] * len(chunk) if num_targets is None else list(num_targets[part])
+        batch = make_ranking_batch(seqs, chunk, cfg, ends=None if ends is None else ends[part], pad=B.static_shapes,
+                                   num_targets=None if num_targets is None else counts,
+                                   history_ends=None if history_ends is None else history_ends[part])
+        real = int(sum(counts))                                         # padding candidates come last
         logits.append(B.to_numpy(score(params, B.asarray_tree(batch if transform is None else transform(batch))))[:real])
         if on_batch is not None:
             on_batch()
         labels.append(batch.labels[:real])
-        owners.append(np.repeat(np.asarray(seqs.users)[chunk], cfg.num_candidates))
+        owners.append(np.repeat(np.asarray(seqs.users)[chunk], counts))
     names = TASKS[:len(cfg.action_weights)]
     out = task_metrics(np.concatenate(logits), np.concatenate(labels), np.concatenate(owners),
                        [(name, "binary") for name in names])

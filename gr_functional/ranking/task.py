@@ -37,7 +37,7 @@ from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
 from ..step import TABLE, Objective, make_train_step
 from . import sparse
-from .data import RankingLoader, chronological_split, fingerprint, load_ranking_data
+from .data import RankingLoader, split_samples, fingerprint, load_ranking_data
 from .heads import multitask_loss
 from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_param_shapes
 
@@ -174,10 +174,10 @@ def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batc
         return logits
 
     transform = None if host is None else (lambda b: sparse.eval_rows(host, b))
-    n = cfg.eval.max_users or len(samples)                   # the first eval.max_users samples (0: all)
-    return summarise(evaluate_ranking(B, params, seqs, samples.users[:n], cfg.ranking, cfg.eval.batch_size,
-                                      ends=samples.ends[:n], scorer=finite_scorer, on_batch=on_batch,
-                                      transform=transform))
+    first = samples.take(cfg.eval.max_users or len(samples))   # the first eval.max_users samples (0: all)
+    return summarise(evaluate_ranking(B, params, seqs, first.users, cfg.ranking, cfg.eval.batch_size,
+                                      scorer=finite_scorer, on_batch=on_batch, transform=transform,
+                                      **first.batch_args(slice(None))))
 
 
 class RankingEvaluation(Evaluation):
@@ -258,14 +258,15 @@ class RankingTask(Task):
 
     def prepare(self, cfg: Config, world_size: int) -> Prepared:
         seqs = load_ranking_data(cfg)
-        splits = chronological_split(seqs, cfg.ranking.num_candidates)
+        splits, how = split_samples(seqs, cfg)
         fp = fingerprint(seqs)
         loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed,
                                max_tokens=cfg.train.max_tokens)
         lengths = np.diff(seqs.offsets)
         describe = (f"data {cfg.data.dataset}: {len(seqs.users):,} users, {int(lengths.sum()):,} events; "
-                    f"{len(splits.train):,} training samples of {cfg.ranking.num_candidates} candidates, "
-                    f"{len(splits.valid):,} validation and {len(splits.test):,} test samples")
+                    f"{len(splits.train):,} training samples of "
+                    f"{'up to ' if splits.train.counts is not None else ''}{cfg.ranking.num_candidates} candidates, "
+                    f"{len(splits.valid):,} validation and {len(splits.test):,} test samples; split: {how}")
         return Prepared(cfg, loader, fp, {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
                         describe=describe, label=cfg.data.dataset, payload=(seqs, splits))
 
@@ -294,7 +295,7 @@ class RankingTask(Task):
 
     def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
         seqs = load_ranking_data(cfg)
-        samples = getattr(chronological_split(seqs, cfg.ranking.num_candidates), split)
+        samples = getattr(split_samples(seqs, cfg)[0], split)
         host = make_host(cfg)
         if host is not None:
             host.load_state_dict(((checkpoint.host or {}).get("embedding")) or missing_host(checkpoint))

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
-from ..registry import DatasetSpec, register_dataset
+from ..paths import dataset_path
+from ..registry import DataFile, DatasetSpec, register_dataset, register_file
 from .kuairand import load_kuairand_log
 from .kuairand_features import load_kuairand_features
 
@@ -163,8 +164,7 @@ def load_gr_processed(path: str | Path) -> RankingSequences:
 
 def _needs_path(cfg) -> str:
     if not cfg.data.path:
-        raise DataError(f"data.dataset={cfg.data.dataset!r} reads a file: set data.path (GR's processed_seqs.csv for "
-                        f"kuairand-rank-gr, an official KuaiRand log csv for kuairand-rank-log)")
+        raise DataError(f"data.dataset={cfg.data.dataset!r} reads a file: set data.path to GR's processed_seqs.csv")
     return cfg.data.path
 
 
@@ -173,10 +173,15 @@ def _load_gr(cfg, path):
 
 
 def _load_log(cfg, path):
-    return sequences_from_log(load_kuairand_log(_needs_path(cfg), columns=LOG_COLUMNS),
-                              load_kuairand_features(kind="user"))
+    log = cfg.data.path or dataset_path("kuairand-pure-log")   # default: the real KuaiRand-Pure rows in the data dir
+    return sequences_from_log(load_kuairand_log(log, columns=LOG_COLUMNS), load_kuairand_features(kind="user"))
 
 
 register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.csv)", _load_gr, needs_file=False,
                              task="ranking"))
 register_dataset(DatasetSpec("kuairand-rank-log", "KuaiRand log", _load_log, needs_file=False, task="ranking"))
+register_file(DataFile(
+    "kuairand-pure-log", "KuaiRand-Pure standard log",
+    ("kuairand/KuaiRand-Pure/data/log_standard_pure_20220425_to_20220504.partial.csv",),
+    how_to_get="copy a KuaiRand-Pure standard log there (https://kuairand.com, zenodo record 10439422), or set "
+               "data.path to any official KuaiRand log csv"))

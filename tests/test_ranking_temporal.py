@@ -1,0 +1,95 @@
+"""``data.split = "temporal"`` (gr_functional/ranking/data.py ``temporal_split``): samples by time
+cutoffs, as KuaiRand papers split real logs: training windows before ``valid_start``, each user's
+impressions of the validation and test windows as candidates (a variable number per user, in chunks
+of up to C) with the history before the window; bad cutoffs refused naming the key."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gr_functional.config import ConfigError, cutoff_ms
+from gr_functional.configure import load_config
+from gr_functional.data.sources.kuairand_ranking import CONTEXT_FEATURES, SEQUENCE_COLUMNS, RankingSequences
+from gr_functional.errors import DataError
+from gr_functional.ranking.data import temporal_split
+
+DAY = 86_400_000
+
+
+def _seqs(days_per_user: list[list[int]]) -> RankingSequences:
+    """One event per listed day (ms = day * DAY) per user, video id = event number."""
+    times = [np.asarray(d, np.int64) * DAY for d in days_per_user]
+    offsets = np.concatenate([[0], np.cumsum([len(t) for t in times])]).astype(np.int64)
+    T = int(offsets[-1])
+    columns = {c: np.arange(T, dtype=np.int64) for c in SEQUENCE_COLUMNS}
+    columns["time_ms"] = np.concatenate(times)
+    users = np.arange(len(times), dtype=np.int64)
+    return RankingSequences(users, offsets, columns, {c: np.ones(len(times), np.int64) for c in CONTEXT_FEATURES})
+
+
+def test_windows_by_time_with_a_variable_number_of_candidates():
+    seqs = _seqs([list(range(10)) + [10, 10, 10, 11, 12, 13, 13],   # 10 before, 4 in valid, 3 in test
+                  [10, 11],                                          # no history before valid: left out there
+                  [0, 1, 2, 12]])                                    # nothing in valid; 1 test candidate
+    splits, skipped = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY)
+    # training: windows of 2 ending at the last pre-cutoff event (10), then 8, 6, 4 and a window of 1
+    # after the first event (every window after >= 1 history event)
+    assert splits.train.users.tolist() == [0, 0, 0, 0, 0, 2] and splits.train.ends.tolist() == [10, 8, 6, 4, 2, 3]
+    assert splits.train.counts.tolist() == [2, 2, 2, 2, 1, 2]
+    # validation: user 0's 4 events in days [10, 12) as 2 chunks of 2, history = its 10 earlier events
+    assert splits.valid.users.tolist() == [0, 0] and splits.valid.ends.tolist() == [12, 14]
+    assert splits.valid.counts.tolist() == [2, 2] and splits.valid.history_ends.tolist() == [10, 10]
+    # test: user 0's 3 events (chunks of 2 and 1, history its 14 earlier ones), user 2's 1
+    assert splits.test.users.tolist() == [0, 0, 2] and splits.test.ends.tolist() == [16, 17, 4]
+    assert splits.test.counts.tolist() == [2, 1, 1] and splits.test.history_ends.tolist() == [14, 14, 3]
+    assert skipped == {"valid_no_history": 1, "test_no_history": 0}
+    # the tokens each sample lays out: contextual 6 + history + candidates
+    from gr_functional.ranking.model import RankingModelConfig
+
+    cfg = RankingModelConfig(num_candidates=2, max_seq_len=64, video_table=100, context_tables=(3, 2, 2, 2, 2, 2))
+    assert splits.test.tokens(cfg).tolist() == [6 + 14 + 2, 6 + 14 + 1, 6 + 3 + 1]
+    test_end = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY, test_end=13 * DAY)[0].test
+    assert test_end.counts.tolist() == [1, 1]                        # day 13 is out
+
+
+def test_a_batch_of_a_window_sees_only_the_history_before_it():
+    from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
+
+    seqs = _seqs([list(range(10)) + [10, 10, 10, 11, 12, 13, 13]])
+    splits, _ = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY)
+    cfg = RankingModelConfig(num_candidates=2, max_seq_len=64, video_table=100, context_tables=(3, 2, 2, 2, 2, 2),
+                             embed_dim=4, dim=4, heads=1, dqk=2, dv=2, tower_hidden=4, item_hidden=4, task_hidden=4)
+    pick = np.arange(2)
+    b = make_ranking_batch(seqs, splits.valid.users[pick], cfg, **splits.valid.batch_args(pick))
+    # both chunks: 6 contextual + the 10 events before the window + their 2 candidates
+    assert np.diff(b.layout.offsets)[:2].tolist() == [6 + 10 + 2, 6 + 10 + 2]
+    assert b.num_targets[:2].tolist() == [2, 2]
+    assert b.cand_items[:4].tolist() == [11, 12, 13, 14]             # events 10..13 (+1: table rows)
+
+
+def test_cutoffs_outside_the_data_are_refused_naming_the_key():
+    seqs = _seqs([list(range(10))])
+    with pytest.raises(DataError, match="data.test_start.*no valid"):
+        temporal_split(seqs, 2, valid_start=20 * DAY, test_start=30 * DAY)
+    with pytest.raises(DataError, match="data.valid_start.*no train"):
+        temporal_split(seqs, 2, valid_start=0, test_start=5 * DAY)
+    unsorted = _seqs([[3, 1, 2, 5]])
+    with pytest.raises(DataError, match="not in time order"):
+        temporal_split(unsorted, 1, valid_start=2 * DAY, test_start=4 * DAY)
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["data.split=temporal"], "data.valid_start"),
+    (["data.split=temporal", "data.valid_start=2022-05-01", "data.test_start=2022-04-01"], "data.test_start"),
+    (["data.split=temporal", "data.valid_start=yesterday", "data.test_start=2022-05-02"], "data.valid_start"),
+    (["data.valid_start=2022-05-01"], "data.valid_start"),
+])
+def test_bad_cutoffs_are_config_errors(sets, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config("experiments/configs/kuairand_rank.toml", sets)
+
+
+def test_cutoffs_read_dates_times_and_milliseconds():
+    assert cutoff_ms("1651334400000") == 1651334400000
+    assert cutoff_ms("2022-05-01") == 1651363200000                        # midnight UTC
+    assert cutoff_ms("2022-05-01T00:00:00+08:00") == 1651334400000         # midnight in Beijing
