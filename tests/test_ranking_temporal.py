@@ -93,3 +93,41 @@ def test_cutoffs_read_dates_times_and_milliseconds():
     assert cutoff_ms("1651334400000") == 1651334400000
     assert cutoff_ms("2022-05-01") == 1651363200000                        # midnight UTC
     assert cutoff_ms("2022-05-01T00:00:00+08:00") == 1651334400000         # midnight in Beijing
+
+
+def _log_copy(tmp_path, name: str, lines: int = 400, edit=None):
+    """The first ``lines`` rows of the real KuaiRand-Pure log in the data folder, ``edit``ed."""
+    from gr_functional.data.paths import dataset_path
+
+    rows = dataset_path("kuairand-pure-log").read_text().splitlines()[:lines + 1]
+    rows = edit(rows) if edit else rows
+    path = tmp_path / name
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _train(path, out, *sets):
+    from gr_functional.cli import main
+
+    return main(["train", "--config", "experiments/configs/kuairand_pure_rank.toml", "--quiet", "--out", str(out),
+                 "--set", f"data.path={path}", *[a for s in sets for a in ("--set", s)]])
+
+
+def test_bad_logs_and_cutoffs_stop_before_anything_is_written(tmp_path, capsys):
+    """A malformed line, a missing column, cutoffs outside the data: exit 2, a message naming the
+    file and line or the key, and no run folder."""
+    def bad_line(rows):
+        rows[7] = rows[7].split(",", 3)[0] + ",oops"
+        return rows
+
+    cases = [
+        (_log_copy(tmp_path, "bad_line.csv", edit=bad_line), [], "bad_line.csv:8"),
+        (_log_copy(tmp_path, "no_column.csv", edit=lambda r: [",".join(x.split(",")[:-3]) for x in r]), [],
+         "lacks column(s) is_profile_enter"),
+        (_log_copy(tmp_path, "fine.csv"), ["data.valid_start=2023-01-01", "data.test_start=2023-02-01"],
+         "data.test_start"),
+    ]
+    for i, (path, sets, expected) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        assert _train(path, out, *sets) == 2
+        assert expected in capsys.readouterr().err and not out.exists()
