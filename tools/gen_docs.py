@@ -132,6 +132,9 @@ PLOTS = {
                               "xlabel": "sequences truncated to (tokens)", "ylabel": "seconds per forward+backward"},
     "quality/quickstart-curve.jsonl": {"x": "epoch", "y": "hr@10", "series": ("split",), "expand": "evals",
                                        "xlabel": "epoch (grf train --config quickstart)", "ylabel": "HR@10"},
+    "quality/ml1m-curve.jsonl": {"x": "epoch", "y": "hr@10", "series": ("run",), "expand": "evals",
+                                 "where": {"split": "test"}, "xlabel": "epoch (ml1m_hstu, torch)",
+                                 "ylabel": "test HR@10"},
     "bench/balance.jsonl": {"x": "ranks", "y": "imbalance_mean", "series": ("policy",), "log": True,
                             "where": {"truncation": 16000, "per_rank": 8},
                             "xlabel": "ranks (8 sequences each, KuaiRand-27K lengths truncated to 16,000)",
@@ -166,8 +169,8 @@ def draw(path: Path, rel: str, out: Path) -> None:
     lines: dict[tuple, list] = {}
     where = spec.get("where", {})
     if "expand" in spec:  # grf report --curve: one record per run, its evaluations nested per split
-        rows = [{"epoch": e["epoch"], "split": split, **e[split]} for r in rows for e in r[spec["expand"]]
-                for split in ("valid", "test") if split in e]
+        rows = [{"run": Path(r.get("run", "")).name, "epoch": e["epoch"], "split": split, **e[split]}
+                for r in rows for e in r[spec["expand"]] for split in ("valid", "test") if split in e]
     for r in rows:
         if spec["x"] in r and spec["y"] in r and all(r.get(k) == v for k, v in where.items()):
             lines.setdefault(tuple(r.get(k) for k in spec["series"]), []).append((r[spec["x"]], r[spec["y"]]))
