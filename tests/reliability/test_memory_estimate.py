@@ -195,10 +195,11 @@ def test_ranking_estimate(monkeypatch):
     gr = load_config(None, ["model.task=ranking", "data.dataset=kuairand-rank-synthetic"])
     with pytest.raises(ConfigError, match=r"ranking.video_table: .* need ~[0-9.]+ GB .* but 20.0 GB is available"):
         check_ranking_fits(gr)
-    # the same tables as one hash table of 2^20 rows: bounded by the capacity, not the id range
+    # the same tables as one hash table of 2^20 rows: bounded by the capacity, not the id range (GR HEAD's
+    # kuairand-1k: 512-wide rows, 5 layers, sequences up to 16,384 tokens)
     hashed = load_config(None, ["model.task=ranking", "data.dataset=kuairand-rank-synthetic", "embedding.kind=hash",
                                 "embedding.optimizer=rowwise_adagrad", f"embedding.capacity={2**20}"])
-    assert 4e9 < check_ranking_fits(hashed) < 6e9
+    assert 4e9 < check_ranking_fits(hashed) < 12e9
     with pytest.raises(ConfigError, match=r"embedding.capacity=67108864: .* lower embedding.capacity"):
         check_ranking_fits(replace(hashed, embedding={"capacity": 2**26}))
 
