@@ -131,3 +131,22 @@ def test_bad_logs_and_cutoffs_stop_before_anything_is_written(tmp_path, capsys):
         out = tmp_path / f"run{i}"
         assert _train(path, out, *sets) == 2
         assert expected in capsys.readouterr().err and not out.exists()
+
+
+def test_rate_baselines_score_each_candidate_with_what_precedes_it():
+    """``grf bench ranking_baselines``: the base rate is the training candidates' rate (one score for
+    all: AUC .5); the per-user rate is the user's rate over the sample's history, shrunk to it."""
+    from benchmarks.ranking_baselines import baselines
+
+    seqs = _seqs([list(range(10)) + [10, 10, 12, 12], [0, 1, 2, 3, 12, 12]])
+    seqs.columns["action_weights"] = np.asarray([1, 0] * 5 + [1, 0, 1, 0] + [1, 1, 1, 1, 0, 1], np.int64)
+    splits, _ = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY)
+    out = baselines(seqs, splits.train, splits.test, n_tasks=1, prior=2.0)
+    logits, labels, users = out["base rate"]
+    assert labels[:, 0].tolist() == [1, 0, 0, 1] and users.tolist() == [0, 0, 1, 1]
+    train = [0, 1, 0, 1, 0, 1, 0, 1, 0] + [1, 1, 1]                  # the training windows' candidates (events 1-9; 1-3)
+    base = np.mean(train)
+    np.testing.assert_allclose(1 / (1 + np.exp(-logits[:, 0])), base)
+    rates = 1 / (1 + np.exp(-out["per-user rate"][0][:, 0]))
+    # user 0's history: its 12 events before day 12 (6 clicks); user 1's: 4 events, all clicks
+    np.testing.assert_allclose(rates, [(6 + 2 * base) / 14] * 2 + [(4 + 2 * base) / 6] * 2)
