@@ -14,35 +14,37 @@ from __future__ import annotations
 
 import numpy as np
 
+from gr_functional.configure import load_config
+from gr_functional.data.ranking_metrics import task_metrics
+from gr_functional.ranking.data import load_ranking_data, split_samples
+from gr_functional.ranking.heads import task_labels
+from gr_functional.ranking.model import TASKS
+
 from .common import emit, machine
 
 DEFAULT_CONFIG = "kuairand_pure_rank"
 COLUMNS = ["split", "baseline", "task", "auc", "gauc", "ne", "positives"]
 
 
-def _bits(weights: np.ndarray, n_tasks: int) -> np.ndarray:
-    """``[n, K]`` 0/1 labels of action bitmasks ``weights[n]`` (bit k = task k)."""
-    return ((np.asarray(weights)[:, None] >> np.arange(n_tasks)) & 1).astype(np.float64)
-
-
-def baselines(seqs, train, samples, n_tasks: int, prior: float = 10.0) -> dict[str, tuple]:
+def baselines(seqs, train, samples, num_candidates: int, weights, prior: float = 10.0) -> dict[str, tuple]:
     """``{baseline: (logits[c, K], labels[c, K], users[c])}`` over the candidates of ``samples``
-    (ranking/data.Samples, with ``counts``); rates from ``train``'s candidates and each sample's
-    history."""
-    train_labels = []
-    for i, u in enumerate(train.users):
-        c = int(train.counts[i])
-        w = seqs.sequence(u)["action_weights"][int(train.ends[i]) - c:int(train.ends[i])]
-        train_labels.append(_bits(w, n_tasks))
-    base = np.clip(np.concatenate(train_labels).mean(axis=0), 1e-6, 1 - 1e-6)        # [K]
+    (ranking/data.Samples; ``num_candidates`` where they hold no counts), labels ``task_labels`` of
+    the action bitmasks by ``weights`` (``ranking.action_weights``); rates from ``train``'s
+    candidates and each sample's history."""
+
+    def labels_of(u, start, stop):
+        return task_labels(seqs.sequence(u)["action_weights"][start:stop], weights).astype(np.float64)
+
+    counts = train.candidates(num_candidates)
+    base = np.concatenate([labels_of(u, int(e) - c, int(e)) for u, e, c in zip(train.users, train.ends, counts)])
+    base = np.clip(base.mean(axis=0), 1e-6, 1 - 1e-6)                                              # [K]
     labels, users, user_rate = [], [], []
+    counts = samples.candidates(num_candidates)
     for i, u in enumerate(samples.users):
-        seq, end = seqs.sequence(u), int(samples.ends[i])
-        c = int(samples.counts[i])
-        hist_end = end - c if samples.history_ends is None else int(samples.history_ends[i])
-        hist = _bits(seq["action_weights"][:hist_end], n_tasks)
+        end, c = int(samples.ends[i]), int(counts[i])
+        hist = labels_of(u, 0, end - c if samples.history_ends is None else int(samples.history_ends[i]))
         rate = (hist.sum(axis=0) + prior * base) / (len(hist) + prior)
-        labels.append(_bits(seq["action_weights"][end - c:end], n_tasks))
+        labels.append(labels_of(u, end - c, end))
         users.append(np.full(c, seqs.users[u]))
         user_rate.append(np.repeat(rate[None, :], c, axis=0))
     labels, users = np.concatenate(labels), np.concatenate(users)
@@ -52,22 +54,15 @@ def baselines(seqs, train, samples, n_tasks: int, prior: float = 10.0) -> dict[s
 
 
 def run(json_lines: bool = False, cfg=None, splits=("valid", "test")) -> list[dict]:
-    from gr_functional.configure import load_config
-    from gr_functional.data.ranking_metrics import task_metrics
-    from gr_functional.ranking.data import load_ranking_data, split_samples
-    from gr_functional.ranking.model import TASKS
-
     cfg = cfg or load_config(DEFAULT_CONFIG)
     seqs = load_ranking_data(cfg)
     parts, _ = split_samples(seqs, cfg)
-    if parts.train.counts is None:   # the windows split: every sample has num_candidates candidates
-        C = cfg.ranking.num_candidates
-        for s in (parts.train, parts.valid, parts.test):
-            s.counts = np.full(len(s.users), C, np.int64)
-    names = TASKS[:len(cfg.ranking.action_weights)]
+    weights = cfg.ranking.action_weights
+    names = TASKS[:len(weights)]
     rows = []
     for split in splits:
-        for baseline, (logits, labels, users) in baselines(seqs, parts.train, getattr(parts, split), len(names)).items():
+        scored = baselines(seqs, parts.train, getattr(parts, split), cfg.ranking.num_candidates, weights)
+        for baseline, (logits, labels, users) in scored.items():
             metrics = task_metrics(logits, labels, users, [(n, "binary") for n in names])
             for task in names:
                 m = metrics[task]

@@ -47,10 +47,15 @@ _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim) if f
 
 
 
+def _unread(saved: Config, now: Config) -> set[str]:
+    """Sections neither config's task reads (``config.unread_sections``): not compared."""
+    return set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
+
+
 def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]]:
     """``(errors, notes)``: keys that forbid resuming ``saved`` under ``now``, and allowed changes."""
     errors, notes = [], []
-    unread = set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
+    unread = _unread(saved, now)
     keys = [(s, f.name) for s in _MATCH_SECTIONS if s not in unread for f in dataclasses.fields(getattr(now, s))
             if (s, f.name) not in _NOTE_KEYS]
     keys += [("train", k) for k in _MATCH_TRAIN] + [("optim", k) for k in _MATCH_OPTIM]
@@ -70,7 +75,7 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
 def config_changes(saved: Config, now: Config) -> dict:
     """``{"section.key": [saved value, now]}`` of every key that differs (a resume records them)."""
     out = {}
-    unread = set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
+    unread = _unread(saved, now)
     for section in dataclasses.fields(now):
         if section.name in unread:
             continue

@@ -141,7 +141,7 @@ def test_rate_baselines_score_each_candidate_with_what_precedes_it():
     seqs = _seqs([list(range(10)) + [10, 10, 12, 12], [0, 1, 2, 3, 12, 12]])
     seqs.columns["action_weights"] = np.asarray([1, 0] * 5 + [1, 0, 1, 0] + [1, 1, 1, 1, 0, 1], np.int64)
     splits, _ = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY)
-    out = baselines(seqs, splits.train, splits.test, n_tasks=1, prior=2.0)
+    out = baselines(seqs, splits.train, splits.test, 2, weights=(1,), prior=2.0)
     logits, labels, users = out["base rate"]
     assert labels[:, 0].tolist() == [1, 0, 0, 1] and users.tolist() == [0, 0, 1, 1]
     train = [0, 1, 0, 1, 0, 1, 0, 1, 0] + [1, 1, 1]                  # the training windows' candidates (events 1-9; 1-3)

@@ -19,8 +19,10 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import hashlib
 import io
 import json
+import os
 import re
 import shlex
 import sys
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gr_functional import cli, results  # noqa: E402
 from gr_functional import config as schema  # noqa: E402
 
 CONFIG_PAGE = ROOT / "docs" / "reference" / "config.md"
@@ -99,10 +102,6 @@ def config_page() -> str:
 
 
 def cli_page() -> str:
-    import os
-
-    from gr_functional import cli
-
     os.environ["COLUMNS"] = "100"  # argparse wraps help at the terminal's width: a fixed one here
     parser = cli.build_parser()
     out = [HEADER.format(source="gr_functional/cli.py"), "# Command-line reference", "",
@@ -144,8 +143,6 @@ PLOTS_DIR = ROOT / "docs" / "results" / "plots"
 
 
 def _digest(path: Path) -> str:
-    import hashlib
-
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -161,8 +158,6 @@ def draw(path: Path, rel: str, out: Path) -> None:
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.hashsalt"] = "grf"
     import matplotlib.pyplot as plt
-
-    from gr_functional import results
 
     spec = PLOTS[rel]
     _, rows = results.read(path)
@@ -220,8 +215,6 @@ def _commit_text(stamp: dict) -> str:
 def results_page() -> str:
     """One section per results file (results/**/*.jsonl, written by ``--record``): its stamp and its
     records as a table."""
-    from gr_functional import results
-
     out = [HEADER.format(source="results/**/*.jsonl"), "# Measured results", "",
            "Every figure here was written by the command shown above its table (`grf bench NAME --record`, "
            "`grf report RUNS --record FILE`), stamped with the date, the commit and the machine; this page is "
@@ -283,8 +276,6 @@ def _stamp_line(stamp: dict, rel: str) -> str:
 
 def table_block(args: str, page: Path) -> str:
     """The generated body of one ``grf:table`` block (its ``args``: the results file, then key="value")."""
-    from gr_functional import results
-
     words = shlex.split(args)
     rel, options = words[0], dict(w.split("=", 1) for w in words[1:])
     unknown = set(options) - {"columns", "where", "sort", "expand"}
@@ -326,8 +317,6 @@ def written_pages() -> list[Path]:
     """Written (not generated) pages that hold ``grf:table`` blocks."""
     return [p for p in sorted((ROOT / "docs").rglob("*.md"))
             if p not in PAGES and TABLE_BLOCK.search("".join(FENCE.split(p.read_text())[::2]))]
-
-
 
 
 def main(argv=None) -> int:

@@ -89,11 +89,14 @@ class Samples:
         return {"ends": self.ends[pick], "num_targets": None if self.counts is None else self.counts[pick],
                 "history_ends": None if self.history_ends is None else self.history_ends[pick]}
 
+    def candidates(self, num_candidates: int) -> np.ndarray:
+        """``[S]`` each sample's number of candidates (``counts``, else ``num_candidates`` each)."""
+        return np.full(len(self.users), num_candidates, np.int64) if self.counts is None else np.asarray(self.counts)
+
     def tokens(self, model_cfg) -> np.ndarray:
         """``[S]`` each sample's tokens as ``make_ranking_batch`` lays it out: contextual, history,
         candidates."""
-        C = model_cfg.num_candidates
-        counts = np.full(len(self.users), C) if self.counts is None else np.asarray(self.counts)
+        counts = self.candidates(model_cfg.num_candidates)
         ends = np.asarray(self.ends)
         before = ends - counts if self.history_ends is None else np.minimum(self.history_ends, ends - counts)
         return model_cfg.contextual + np.minimum(before, model_cfg.max_history) + counts
