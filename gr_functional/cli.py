@@ -90,7 +90,7 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
 
     from backends import dist_torch
 
-    from .config import ConfigError, replace, validate as config_rules
+    from .config import ConfigError, parse_override, replace, validate as config_rules
     from .runner import DIST_TORCH_BACKENDS
     from .configure import validate
 
@@ -99,10 +99,11 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
         raise ConfigError(f"--nproc {nproc}: multi-process training runs the torch backends "
                           f"({', '.join(DIST_TORCH_BACKENDS)}), not backend.name={cfg.backend.name!r}; "
                           f"the JAX data-parallel reference is backends.jax.make_sharded_train_step")
-    # what a launched rank would refuse (ranking trains in one process so far): refused here,
-    # in one line, before torchrun starts (the config read above had dist.nproc from the file)
+    # what a launched rank would refuse with dist.nproc = N (embedding.node_size must divide it):
+    # refused here, in one line, before torchrun starts (the config read above had the file's nproc)
+    origins = {parse_override(item)[:2]: f"--set {item}" for item in args.set or []}
     config_rules(replace(cfg, dist={"nproc": nproc}), source=str(_config_path(args.config) or "<defaults>"),
-                 origins={("dist", "nproc"): f"--nproc {nproc}"})
+                 origins={**origins, ("dist", "nproc"): f"--nproc {nproc}"})
     argv = ["train", "--out", str(out)]
     if args.config:
         argv += ["--config", str(args.config)]

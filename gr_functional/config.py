@@ -448,6 +448,11 @@ class RankingConfig:
     # kuairand-1k); true = a GroupNorm per head, weights [heads] (GR 2e81fab's). Run folders written
     # before this key read as true (config.migrate), so they resume unchanged.
     group_norm: bool = False
+    # How much history a sample keeps (an ablation; no GR counterpart): -1 = GR's, the OLDEST
+    # max_history events before the candidates (GR's maybe_truncate_seq); N >= 0 = the N MOST RECENT
+    # (0: no history, the non-sequential model: user id and features, candidate video ids). The
+    # candidates' query time stays the newest history event's either way.
+    recent_history: int = _range(-1, ge=-1)
 
     @property
     def contextual(self) -> int:
@@ -747,13 +752,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
         fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
 
 
-# what the ranking task does not do yet: (section, key, value it must keep, why)
-_RANKING_REFUSES = (
-    ("embedding", "sharding", "replicated", "it trains in one process so far"),
-    ("dist", "nproc", 1, "it trains in one process so far"),
-)
-
-
 def cutoff_ms(text: str) -> int:
     """Epoch milliseconds of a cutoff (``data.valid_start`` ...): digits are milliseconds, else an
     ISO date or time, UTC unless it has an offset; ValueError naming the forms."""
@@ -791,10 +789,13 @@ def _validate_ranking(cfg: Config, fail) -> None:
     elif any(getattr(d, key) for key in ("valid_start", "test_start", "test_end")):
         key = next(k for k in ("valid_start", "test_start", "test_end") if getattr(d, k))
         fail("data", key, 'is a cutoff of data.split="temporal"; set data.split="temporal" or drop it')
-    for section, key, keep, why in _RANKING_REFUSES:
-        if getattr(getattr(cfg, section), key) != keep:
-            fail(section, key, f"model.task='ranking' needs {section}.{key}={keep!r}: {why}")
+    if cfg.dist.balance == "lookahead":
+        fail("dist", "balance", "model.task='ranking' splits each global batch as it is (\"none\" or \"kk\"); "
+                                "lookahead moves samples between batches, which ranking's loader does not plan")
     emb = cfg.embedding
+    if emb.sharding == "row" and emb.kind != "hash":
+        fail("embedding", "sharding", "model.task='ranking' row-shards its one merged hash table: set "
+                                      "embedding.kind='hash' (the dense tables are replicated)")
     if emb.kind == "dense" and emb.optimizer != "adamw":
         fail("embedding", "optimizer", "model.task='ranking' updates dense tables with AdamW; the row-sparse "
                                        "optimizers come with embedding.kind='hash' (ranking/sparse.py)")

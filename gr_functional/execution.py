@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from .config import Config
 from .data.prefetch import PrefetchStats, Worker
 from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
 from .hooks import StepResult
-from .step import make_dist_train_step, make_sharded_dist_step, make_train_step
+from .step import Objective, make_dist_train_step, make_sharded_dist_step, make_train_step
 
 
 def step_groups(batches, k: int):
@@ -65,6 +66,19 @@ class LocalSteps:
         return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchIds:
+    """How a task's batches name the ids of its sparse table (default: the retrieval HSTU's
+    ``HSTUBatch``): ``of(batch)`` its id arrays (0 = padding), ``localize(batch, ids, lookup=None)``
+    the batch with every id replaced by its local index 1 + position in ``ids`` and ``lookup``
+    attached; ``join(batches)``: the micro-batches of one step as the step takes them (ranking's
+    shared attention normaliser)."""
+
+    of: Callable = batch_ids
+    localize: Callable = localize
+    join: Callable = list
+
+
 @dataclasses.dataclass
 class Routed:
     """One step of a rank whose item table is row-sharded, prepared where batches are built:
@@ -91,10 +105,14 @@ class RankSteps:
     and step i only queues its gradients (``ShardedTable.land`` / ``queue``); the run is bitwise
     the one without workers (checkpoints hold the table as of the last trained step:
     ``ShardedTable.export``) except the exchanged-bytes counters after a skipped step (the rows
-    read again are counted). Workers run only where ``comm.concurrent_groups`` (gloo)."""
+    read again are counted). Workers run only where ``comm.concurrent_groups`` (gloo).
 
-    def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
-        self.B, self.loader, self.comm, self.k = B, loader, comm, cfg.train.accumulate
+    A task other than retrieval gives its ``objective`` and its batches' ``ids`` (``BatchIds``);
+    its loader has ``rank_epoch`` (ranking/data.py ``RankingLoader``)."""
+
+    def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None, objective: Objective | None = None,
+                 ids: BatchIds = BatchIds()):
+        self.B, self.loader, self.comm, self.k, self.ids = B, loader, comm, cfg.train.accumulate, ids
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse and shard is None else None
         self.shard, self.log_every = shard, cfg.train.log_every
@@ -104,7 +122,8 @@ class RankSteps:
         self.ahead = workers and cfg.embedding.staleness >= 1
         if self.ahead:
             self.serve_lane, self.worker, self._next = comm.lane(), Worker("grf-sparse"), None
-        self.fn = make_dist_train_step(B, cfg, comm) if shard is None else make_sharded_dist_step(B, cfg, comm, shard)
+        self.fn = (make_dist_train_step(B, cfg, comm, objective) if shard is None
+                   else make_sharded_dist_step(B, cfg, comm, shard, objective))
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
         """This rank's steps of epoch ``epoch`` from batch ``start``, at most ``limit`` (the steps
@@ -120,8 +139,9 @@ class RankSteps:
         return itertools.islice(steps, limit)
 
     def _route(self, micro: list) -> Routed:
-        ids, refs = unique_ids([a for rb in micro for a in batch_ids(rb.batch)])
-        return Routed(micro, [localize(rb.batch, ids) for rb in micro], ids, refs, self.shard.route(ids, self.lane))
+        ids, refs = unique_ids([a for rb in micro for a in self.ids.of(rb.batch)])
+        return Routed(micro, self.ids.join([self.ids.localize(rb.batch, ids) for rb in micro]), ids, refs,
+                      self.shard.route(ids, self.lane))
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         self.comm.step = step
@@ -133,8 +153,9 @@ class RankSteps:
             # every rank maps the ids of the whole global step (the same rows everywhere)
             ids, _ = unique_ids([rb.step_ids[0] for rb in micro])
             refs = sum(rb.step_ids[1] for rb in micro)
-            batches, stats = self.host.prepare(batches, step, ids, refs)
-        dev = [self.B.asarray_tree(b) for b in batches]
+            lookup, stats = self.host.plan(ids, refs, step)
+            batches = [self.ids.localize(b, ids, lookup) for b in batches]
+        dev = [self.B.asarray_tree(b) for b in self.ids.join(batches)]
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
                                        sum(rb.global_tokens for rb in micro))
         return params, opt_state, StepResult(

@@ -405,7 +405,8 @@ def rank_scales(tokens, global_tokens: float, world_size: int) -> list[float]:
     return [float(n) * w for n in tokens]
 
 
-def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=None, last_vg=None):
+def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=None, last_vg=None,
+               objective: Objective | None = None):
     """``(loss_part, grads_part)`` of this rank, before the SUM over ranks: ``sum_i scales[i] *
     loss_i`` (fp32 scalar) and the gradient of the same sum (a tree like params, unscaled).
 
@@ -413,8 +414,9 @@ def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=
     ``vg`` differentiates ``_loss`` locally (default ``B.value_and_grad``); ``last_vg``, if
     given, is used for the last micro-batch with ``prior=`` the earlier ones' gradient sum and
     must return the REDUCED sum (the torch collective's overlapped all-reduce). Then the
-    returned grads are already summed over ranks, the loss part is not."""
-    loss_fn = partial(_loss, B, cfg=cfg)
+    returned grads are already summed over ranks, the loss part is not. ``objective``: the task's
+    (default the retrieval HSTU's), for the default ``vg``."""
+    loss_fn = partial(_loss, B, cfg=cfg, objective=objective)
     vg = vg or B.value_and_grad(loss_fn, has_aux=True)
     ls = opt_state["loss_scale"]["scale"] if "loss_scale" in opt_state else None
     loss_part, acc = None, None
@@ -432,9 +434,10 @@ def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=
     return loss_part, acc
 
 
-def make_dist_train_step(B, cfg: Config, comm):
+def make_dist_train_step(B, cfg: Config, comm, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens) -> (params, opt_state, metrics)``
-    for one rank of a torch data-parallel run (``comm``: backends.dist_torch.TorchCollective).
+    for one rank of a torch data-parallel run (``comm``: backends.dist_torch.TorchCollective) of
+    ``objective`` (the task's; default the retrieval HSTU's, as ``make_train_step``).
 
     micro: this rank's micro-batches (HSTUBatch on B; a rank may hold none of a global batch's
     sequences, then an empty one); tokens: their supervised token counts (host floats);
@@ -448,7 +451,7 @@ def make_dist_train_step(B, cfg: Config, comm):
     ``rank_cpu_s`` (lists over ranks: wall and main-thread CPU seconds of forward+backward; CPU
     time is what a rank's work costs even when a shared machine preempts it).
     """
-    loss_fn = partial(_loss, B, cfg=cfg)
+    loss_fn = partial(_loss, B, cfg=cfg, objective=objective)
     local_vg = B.value_and_grad(loss_fn, has_aux=True)
     reduced_vg = comm.value_and_grad(B, loss_fn, has_aux=True)
     R = comm.world_size
@@ -477,7 +480,7 @@ def make_dist_train_step(B, cfg: Config, comm):
     return step
 
 
-def make_sharded_dist_step(B, cfg: Config, comm, table):
+def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens, rows, pending, ahead=None)`` for one
     rank of a data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
     ``table``: this rank's ``embedding.sharding.ShardedTable``).
@@ -493,8 +496,9 @@ def make_sharded_dist_step(B, cfg: Config, comm, table):
     ``ahead`` (staleness k >= 1, ``execution.RankSteps``): called at the start with the first half of
     the table's update (``table.land``, which needs nothing this step computes), it runs it
     elsewhere (with the next step's lookup) and returns a function waiting for it; the step then
-    only ``table.queue``s its gradients. The result is the same as without it."""
-    loss_fn = partial(_loss, B, cfg=cfg)
+    only ``table.queue``s its gradients. The result is the same as without it. ``objective``: as
+    ``make_dist_train_step``'s."""
+    loss_fn = partial(_loss, B, cfg=cfg, objective=objective)
     local_vg = B.value_and_grad(loss_fn, has_aux=True)
     reduced_vg = comm.value_and_grad(B, loss_fn, has_aux=True, local=(TABLE,))
     R = comm.world_size

@@ -70,16 +70,47 @@ class RankSplit:
             raise DataError("dist.rank_token_cap, dist.cost_a and dist.cost_b must be >= 0")
 
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> "RankSplit":
-        """From ``cfg.dist``; ``cost_a = cost_b = 0`` takes ``balance.flop_cost_coefficients``."""
+    def from_config(cls, cfg, world_size: int, dims: tuple[int, int, int, int] | None = None) -> "RankSplit":
+        """From ``cfg.dist``; ``cost_a = cost_b = 0`` takes ``balance.flop_cost_coefficients`` of
+        ``dims`` = (width, heads, dqk, dv) (default the retrieval HSTU's, ``cfg.model``'s)."""
         d, m = cfg.dist, cfg.model
         a, b = d.cost_a, d.cost_b
         if a == 0.0 and b == 0.0:
-            a, b = balance.flop_cost_coefficients(m.embed_dim, m.num_heads, m.dqk, m.dv)
+            a, b = balance.flop_cost_coefficients(*(dims or (m.embed_dim, m.num_heads, m.dqk, m.dv)))
         return cls(int(world_size), d.balance, float(a), float(b), int(d.rank_token_cap), int(d.lookahead))
 
     def costs(self, tokens) -> np.ndarray:
         return balance.cost(tokens, self.cost_a, self.cost_b)
+
+    def assign(self, tok, where: str) -> np.ndarray:
+        """``[n] int64``: the rank of each sequence of one global batch of ``tok[n]`` input tokens
+        (policies "none" and "kk"; "lookahead" plans whole epochs: ``TrainLoader``). ``where``
+        names the batch in errors (e.g. "epoch 0 step 3")."""
+        tok = np.asarray(tok)
+        R = self.world_size
+        cap = self.token_cap or None
+        if self.policy == "none":
+            # contiguous equal-count slices, as np.array_split
+            counts = [len(x) for x in np.array_split(np.arange(len(tok)), R)]
+            assign = np.repeat(np.arange(R), counts)
+            if cap is not None:
+                over = np.flatnonzero(np.bincount(assign, weights=tok, minlength=R) > cap)
+                if over.size:
+                    raise DataError(f"dist.rank_token_cap={cap}: rank {over[0]} gets "
+                                    f"{int(tok[assign == over[0]].sum())} tokens in {where} "
+                                    f"with dist.balance='none'; use dist.balance='kk' (it respects the cap) or "
+                                    f"raise the cap")
+            return assign
+        c = self.costs(tok)
+        try:
+            return balance.karmarkar_karp(c, R, equal_count=True, cap=cap, sizes=tok, refine_result=True)
+        except ValueError:
+            try:  # KK's repair pass can fail where LPT with the same limits succeeds
+                return balance.greedy_lpt(c, R, equal_count=True, cap=cap, sizes=tok)
+            except ValueError:
+                raise DataError(f"dist.rank_token_cap={cap}: the {int(tok.sum())} tokens of {where} "
+                                f"cannot be split into {R} equal-count shares under the cap; raise "
+                                f"dist.rank_token_cap or lower train.batch_size") from None
 
     def schedule_key(self) -> str | None:
         """What fixes the global batches beyond (seed, batch_size, max_tokens): None unless
@@ -94,7 +125,8 @@ class RankSplit:
 class RankBatch:
     """One rank's share of a global batch.
 
-      batch          HSTUBatch (numpy) of this rank's sequences, with their negatives and masks
+      batch          the task's batch (numpy) of this rank's sequences, with their masks (HSTUBatch:
+                     and negatives; ranking's RankingBatch)
       global_tokens  float: supervised tokens of the whole global batch (the loss denominator)
       tokens         float: supervised tokens of ``batch``
       rank_tokens    [R] int64 input tokens of every rank's share
@@ -172,6 +204,35 @@ def _pairs(source) -> Iterator:
         before = (position, item)
     if before is not None:
         yield before[0], (before[1], None)
+
+
+def advance(n: int, e: int, start_step: int, make, moved, prefetch: int, stats, group: int = 0, finish=None,
+            limit: int | None = None, pairs: bool = False) -> Iterator:
+    """The items of epoch ``e`` (``n`` batches) from batch ``start_step``: ``make(step)`` each, or with
+    ``group = k`` ``finish([k consecutive ones])`` (the last group may be shorter), at most ``limit``
+    items, built ``prefetch`` ahead on a worker (``finish`` runs there too); ``pairs``: ``(item,
+    next item or None)``. ``moved((epoch, step))`` is told the position after each item as it is
+    handed out, and (e + 1, 0) once the epoch's batches are all out (a loader's resumable position)."""
+    size = max(group, 1)
+
+    def items():  # (position after the item, item): built on the worker, applied on hand-out
+        s, count = start_step, 0
+        while s < n and (limit is None or count < limit):
+            end = min(s + size, n)
+            made = [make(j) for j in range(s, end)]
+            yield ((e, end) if end < n else (e + 1, 0)), (finish(made) if group else made[0])
+            s, count = end, count + 1
+
+    built = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
+    source = _pairs(built) if pairs else built
+    try:
+        for position, item in source:
+            moved(position)
+            yield item
+        if limit is None or start_step + limit * size >= n:  # the epoch's batches all handed out
+            moved((e + 1, 0))
+    finally:
+        built.close()
 
 
 def consecutive_batches(order: np.ndarray, tokens: np.ndarray, batch_size: int, max_tokens: int = 0) -> list:
@@ -343,37 +404,13 @@ class TrainLoader:
         if sp is None:
             raise ValueError("rank_assignment needs a loader built with split=RankSplit(...)")
         users = self.plan(epoch)[step]
-        R = sp.world_size
         if sp.policy == "lookahead":
             with self._plan_lock:
                 if self._assign_cache is None or self._assign_cache[0] != epoch:
                     self._plan_cache = None
                     self._plan(epoch)
                 return self._assign_cache[1][step]
-        tok = self.tokens[users]
-        cap = sp.token_cap or None
-        if sp.policy == "none":
-            # contiguous equal-count slices, as np.array_split
-            counts = [len(x) for x in np.array_split(np.arange(len(users)), R)]
-            assign = np.repeat(np.arange(R), counts)
-            if cap is not None:
-                over = np.flatnonzero(np.bincount(assign, weights=tok, minlength=R) > cap)
-                if over.size:
-                    raise DataError(f"dist.rank_token_cap={cap}: rank {over[0]} gets "
-                                    f"{int(tok[assign == over[0]].sum())} tokens in epoch {epoch} step {step} "
-                                    f"with dist.balance='none'; use dist.balance='kk' (it respects the cap) or "
-                                    f"raise the cap")
-            return assign
-        c = sp.costs(tok)
-        try:
-            return balance.karmarkar_karp(c, R, equal_count=True, cap=cap, sizes=tok, refine_result=True)
-        except ValueError:
-            try:  # KK's repair pass can fail where LPT with the same limits succeeds
-                return balance.greedy_lpt(c, R, equal_count=True, cap=cap, sizes=tok)
-            except ValueError:
-                raise DataError(f"dist.rank_token_cap={cap}: the {int(tok.sum())} tokens of epoch {epoch} step "
-                                f"{step} cannot be split into {R} equal-count shares under the cap; raise "
-                                f"dist.rank_token_cap or lower train.batch_size") from None
+        return sp.assign(self.tokens[users], f"epoch {epoch} step {step}")
 
     def rank_batch(self, epoch: int, step: int, rank: int, *, capacity: str | tuple[int, int] = "exact",
                    global_batch: HSTUBatch | None = None, with_ids: bool = False) -> RankBatch:
@@ -435,27 +472,11 @@ class TrainLoader:
 
     def _advance(self, e: int, start_step: int, make, prefetch: int, stats, group: int = 0, finish=None,
                  limit: int | None = None, pairs: bool = False) -> Iterator:
-        n = self.steps_in_epoch(e)
-        size = max(group, 1)
+        def moved(position):
+            self._epoch, self._step = position
 
-        def items():  # (position after the item, item): built on the worker, applied on hand-out
-            s, count = start_step, 0
-            while s < n and (limit is None or count < limit):
-                end = min(s + size, n)
-                made = [make(j) for j in range(s, end)]
-                yield ((e, end) if end < n else (e + 1, 0)), (finish(made) if group else made[0])
-                s, count = end, count + 1
-
-        built = Prefetch(items(), prefetch, stats) if prefetch else timed(items(), stats)
-        source = _pairs(built) if pairs else built
-        try:
-            for position, item in source:
-                self._epoch, self._step = position
-                yield item
-            if limit is None or start_step + limit * size >= n:  # the epoch's batches all handed out
-                self._epoch, self._step = e + 1, 0
-        finally:
-            built.close()
+        yield from advance(self.steps_in_epoch(e), e, start_step, make, moved, prefetch, stats, group, finish, limit,
+                           pairs)
 
     def __iter__(self) -> Iterator[HSTUBatch]:
         """The rest of the current epoch, from the saved position."""

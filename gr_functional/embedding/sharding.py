@@ -487,16 +487,18 @@ class ShardedTable:
 
 
 # ----------------------------------------------------------------------------- runs and checkpoints
-def make_sharded(B, cfg, comm, dense_rows=None) -> ShardedTable:
+def make_sharded(B, cfg, comm, dense_rows=None, dim: int | None = None, num_items: int | None = None) -> ShardedTable:
     """This rank's shard for ``cfg.embedding`` (``sharding = "row"``); ``dense_rows``: the dense
-    table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given)."""
+    table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given).
+    ``dim`` / ``num_items``: the table's (default the retrieval HSTU's ``model.embed_dim`` /
+    ``model.num_items``; the ranking task's merged table has its own)."""
     e = cfg.embedding
     need_rows = e.kind == "dense" or e.init == "dense"
     if need_rows and dense_rows is None:
         from .lookup import dense_init_rows
 
         dense_rows = dense_init_rows(cfg)
-    return ShardedTable(B, comm, kind=e.kind, dim=cfg.model.embed_dim, num_items=cfg.model.num_items,
+    return ShardedTable(B, comm, kind=e.kind, dim=dim or cfg.model.embed_dim, num_items=num_items or cfg.model.num_items,
                         capacity=e.capacity, seed=cfg.train.seed, policy=e.policy, min_count=e.min_count,
                         optimizer=e.optimizer, dense_rows=dense_rows if need_rows else None,
                         node_size=e.node_size, hierarchical=e.hierarchical, precision=e.exchange,
@@ -510,21 +512,36 @@ def assemble(shards: list, dim: int):
     return ids, values
 
 
-def assemble_table(cfg, shards: list):
+def assemble_table(cfg, shards: list, dim: int | None = None, num_items: int | None = None):
     """``(table[L + 1, D] numpy, host)``: the whole table from every rank's ``export``, for
     evaluation on one process: a dense table indexed by id (host None), or a hash table's rows
-    with an ``EmbeddingHost`` whose id map finds them (``retrieval.task.evaluate(host=...)``)."""
+    with an ``EmbeddingHost`` whose id map finds them (``retrieval.task.evaluate(host=...)``).
+    ``dim`` / ``num_items``: as ``make_sharded``'s."""
     from ..config import replace
     from .lookup import EmbeddingHost
 
-    D = cfg.model.embed_dim
+    D, N = dim or cfg.model.embed_dim, num_items or cfg.model.num_items
     ids, values = assemble(shards, D)
     if cfg.embedding.kind == "dense":
-        table = np.zeros((cfg.model.num_items + 1, D), np.float32)
+        table = np.zeros((N + 1, D), np.float32)
         table[ids] = values
         return table, None
-    host = EmbeddingHost(replace(cfg, embedding={"capacity": max(len(ids), 1), "min_count": 1}), cfg.model.num_items)
+    host = EmbeddingHost(replace(cfg, embedding={"capacity": max(len(ids), 1), "min_count": 1}), N, dim=D)
     rows = host.table.import_ids(ids, np.zeros(len(ids), np.int64), np.zeros(len(ids), np.int64))
     table = np.zeros((host.rows, D), np.float32)
     table[rows] = values
     return table, host
+
+
+def gathered_view(B, cfg, comm, shard: ShardedTable, dim: int | None = None, num_items: int | None = None):
+    """``view(run) -> (params, host)`` for ``hooks.Evaluation``, called on every rank: the shards
+    gathered to rank 0 as one table (``assemble_table``; ``dim`` / ``num_items`` as there) in the
+    run's params as ``"item_emb"`` (step.TABLE) with its host; (None, None) on the other ranks."""
+    def view(run):
+        shards = comm.gather(shard.export())
+        if not comm.is_main:
+            return None, None
+        table, host = assemble_table(cfg, shards, dim, num_items)
+        return {**run.params, "item_emb": B.asarray(table)}, host
+
+    return view

@@ -36,10 +36,12 @@ from ..config import cutoff_ms
 from ..data.registry import get_dataset
 from ..data.registry import names as dataset_names
 from ..errors import DataError
-from ..data.batching import consecutive_batches
+from ..data.batching import RankBatch, RankSplit, advance, consecutive_batches
+from ..embedding.lookup import unique_ids
 from ..data.prefetch import Prefetch, PrefetchStats, timed
 from ..data.sources.kuairand_ranking import SEQUENCE_COLUMNS, RankingSequences
-from .model import make_ranking_batch
+from .model import kept_history, make_ranking_batch
+from .sparse import batch_keys
 
 
 def load_ranking_data(cfg) -> RankingSequences:
@@ -99,7 +101,7 @@ class Samples:
         counts = self.candidates(model_cfg.num_candidates)
         ends = np.asarray(self.ends)
         before = ends - counts if self.history_ends is None else np.minimum(self.history_ends, ends - counts)
-        return model_cfg.contextual + np.minimum(before, model_cfg.max_history) + counts
+        return model_cfg.contextual + kept_history(model_cfg, before) + counts
 
 
 @dataclasses.dataclass
@@ -208,11 +210,16 @@ class RankingLoader:
     history and candidates; at most ``batch_size``), shuffled per epoch by ``default_rng((seed,
     epoch))``; batch b's dropout masks come from ``default_rng((seed, epoch, b))``, so a resume
     from (epoch, b) rebuilds exactly the batches an uninterrupted run sees. The last batch of an
-    epoch may be smaller. ``position`` is (epoch, next batch)."""
+    epoch may be smaller. ``position`` is (epoch, next batch).
+
+    Data-parallel (``split``, a ``data.batching.RankSplit`` of policy "none" or "kk"): every rank
+    plans the same global batches and builds only its share (``rank_share``), with the dropout
+    masks and attention normaliser one process gives those samples, so N ranks compute the
+    one-process step up to float summation order."""
 
     def __init__(self, seqs: RankingSequences, samples: Samples, model_cfg, batch_size: int, seed: int,
-                 max_tokens: int = 0):
-        self.seqs, self.samples, self.model_cfg = seqs, samples, model_cfg
+                 max_tokens: int = 0, split: RankSplit | None = None):
+        self.seqs, self.samples, self.model_cfg, self.split = seqs, samples, model_cfg, split
         self.batch_size, self.seed, self.max_tokens = batch_size, seed, int(max_tokens)
         self.position = (0, 0)
         self.tokens = samples.tokens(model_cfg)
@@ -255,6 +262,49 @@ class RankingLoader:
             rng = np.random.default_rng((self.seed, epoch, b))
             yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng, pad=pad,
                                         **self.samples.batch_args(pick))
+
+    def rank_share(self, epoch: int, b: int, rank: int, with_ids: bool = False) -> RankBatch:
+        """Rank ``rank``'s share of batch ``b`` of ``epoch`` (``split.assign`` on the samples' tokens):
+        a ``RankBatch`` whose batch holds its samples with the global batch's dropout rows and
+        normaliser (its longest sequence); a rank given no sample gets the batch's first one with
+        no candidate counted (``cand_mask`` 0: it adds nothing). Tokens are candidates (the loss's
+        denominator); ``rank_tokens`` input tokens; ``with_ids``: ``step_ids`` of the whole global
+        batch (a replicated hash table: every rank maps the same keys)."""
+        pick = self.plan(epoch)[b]
+        tok = self.tokens[pick]
+        assign = self.split.assign(tok, f"epoch {epoch} batch {b}")
+        mine = np.flatnonzero(assign == rank)
+        take = mine if len(mine) else np.zeros(1, np.int64)
+        starts = np.concatenate([[0], np.cumsum(tok)])
+        rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in take])
+        rng = np.random.default_rng((self.seed, epoch, b))
+        batch = make_ranking_batch(self.seqs, self.samples.users[pick[take]], self.model_cfg, rng,
+                                   dropout_draw=(int(tok.sum()), rows), **self.samples.batch_args(pick[take]))
+        batch = dataclasses.replace(batch, norm_len=np.asarray(tok.max(), np.float32))
+        if not len(mine):
+            batch = dataclasses.replace(batch, cand_mask=np.zeros_like(batch.cand_mask))
+        step_ids = None
+        if with_ids:
+            whole = make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg,
+                                       **self.samples.batch_args(pick))
+            step_ids = unique_ids(batch_keys(whole))
+        cands = self.samples.candidates(self.model_cfg.num_candidates)[pick]
+        R = self.split.world_size
+        return RankBatch(batch, float(cands.sum()), float(cands[mine].sum()),
+                         np.bincount(assign, weights=tok, minlength=R).astype(np.int64),
+                         np.bincount(assign, weights=self.split.costs(tok), minlength=R), step_ids)
+
+    def rank_epoch(self, epoch: int, start: int = 0, *, rank: int, capacity: str = "exact", with_ids: bool = False,
+                   prefetch: int = 0, stats: PrefetchStats | None = None, group: int = 0, finish=None,
+                   limit: int | None = None, pairs: bool = False):
+        """This rank's ``rank_share`` of each batch of ``epoch`` from ``start``, as
+        ``data.batching.TrainLoader.rank_epoch`` yields them (``group``, ``finish``, ``limit``,
+        ``pairs``); shapes are exact (torch ranks; ``capacity`` is accepted for that interface)."""
+        def moved(position):
+            self.position = position
+
+        return advance(len(self.plan(epoch)), epoch, start, lambda b: self.rank_share(epoch, b, rank, with_ids),
+                       moved, prefetch, stats, group, finish, limit, pairs)
 
     def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None,
               pad: bool = False):

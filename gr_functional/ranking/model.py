@@ -38,6 +38,13 @@ RankingModelConfig = RankingConfig
 ID_FEATURES = ("video_id", "user_id") + tuple(CONTEXT_FEATURES)
 
 
+def kept_history(cfg: RankingModelConfig, before):
+    """Events of history a sample keeps when ``before`` events precede its candidates (int or
+    numpy array): at most ``max_history``, and at most ``recent_history`` when that is >= 0."""
+    kept = np.minimum(before, cfg.max_history)
+    return kept if cfg.recent_history < 0 else np.minimum(kept, cfg.recent_history)
+
+
 def _feature_sizes(cfg: RankingModelConfig) -> dict:
     """id feature -> its number of ids (GR's table size)."""
     return dict(zip(ID_FEATURES, (cfg.video_table,) + tuple(cfg.context_tables)))
@@ -160,7 +167,7 @@ class RankingBatch:
 
 def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Generator | None = None,
                        ends=None, pad: bool = False, num_targets=None, own_query_times: bool = False,
-                       history_ends=None) -> RankingBatch:
+                       history_ends=None, dropout_draw: tuple[int, np.ndarray] | None = None) -> RankingBatch:
     """The batch of users ``users`` (indices into ``seqs``, a ``kuairand_ranking.RankingSequences``);
     ``rng`` draws the dropout masks (None: evaluation, no dropout). ``ends[i]`` (default: every
     user's length) cuts user i's sequence at that event: its candidates are the ``num_candidates``
@@ -176,6 +183,9 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     ``history_ends[i]`` (default: the candidates' first event): user i's history is its events
     before that one (a temporal split's window: every candidate chunk of the window sees the same
     history, the events before the window).
+    ``dropout_draw = (tokens, rows)``: the dropout masks are drawn for a batch of ``tokens`` tokens
+    and these users' tokens take rows ``rows`` of them (a data-parallel rank's share of a global
+    batch: its masks are the ones one process draws for those users).
 
     Shapes: exact (users, item tokens, candidates; the attention width is the longest sequence),
     tokens padded to the capacity ladder; with ``pad`` (``Backend.static_shapes``: JAX compiles a
@@ -202,18 +212,21 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         before = n - c if history_ends is None else min(int(history_ends[i]), n - c)
         if before < 1:
             raise ValueError(f"user {int(seqs.users[u])}: no history event before its candidates")
-        hist = slice(0, min(before, cfg.max_history))                  # the oldest history events, as GR keeps
+        kept = int(kept_history(cfg, before))
+        # GR keeps the oldest events; ranking.recent_history >= 0 the most recent ones
+        hist = slice(0, kept) if cfg.recent_history < 0 else slice(before - kept, before)
         cand = slice(n - c, n)
         v = seq["video_id"] % cfg.video_table
         items += [v[hist], v[cand]]
         bits += [seq["action_weights"][hist], np.zeros(c, np.int64)]
-        cand_flag += [np.zeros(hist.stop), np.ones(c)]
+        cand_flag += [np.zeros(kept), np.ones(c)]
         if own_query_times:
             q = np.asarray(seq["time_ms"][cand], np.int64)
-        else:
-            q = np.full(c, int(seq["time_ms"][hist].max()), np.int64)  # the candidates' query time
+        else:  # the candidates' query time: the newest kept history event's (any history's when none is kept)
+            newest = seq["time_ms"][hist] if cfg.recent_history < 0 else seq["time_ms"][:before]
+            q = np.full(c, int(newest.max()), np.int64)
         times += [np.zeros(S, np.int64), seq["time_ms"][hist], q]
-        lengths.append(S + hist.stop + c)
+        lengths.append(S + kept + c)
         targets.append(c)
         cand_items.append(v[cand])
         cand_bits.append(seq["action_weights"][cand])
@@ -250,9 +263,13 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
     input_keep = block_keep = None
     if rng is not None:
         # drawn at the exact layout's capacity whatever the padding: the same masks on the real tokens
-        input_keep = (rng.random((t_exact, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
-        block_keep = (rng.random((cfg.num_layers, t_exact, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
+        t_draw = t_exact if dropout_draw is None else round_up_capacity(int(dropout_draw[0]))
+        input_keep = (rng.random((t_draw, cfg.dim)) >= cfg.input_dropout) / (1.0 - cfg.input_dropout)
+        block_keep = (rng.random((cfg.num_layers, t_draw, 3 * cfg.heads * cfg.dv)) >= cfg.linear_dropout) / (
             1.0 - cfg.linear_dropout)
+        if dropout_draw is not None:
+            rows = np.asarray(dropout_draw[1])
+            input_keep, block_keep = input_keep[rows], block_keep[:, rows]
         input_keep = fill(input_keep.astype(np.float32), t_cap, 1.0)
         block_keep = fill(block_keep.astype(np.float32), t_cap, 1.0, axis=1)
     item_lengths = [l - S for l in lengths]

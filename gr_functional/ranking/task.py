@@ -15,9 +15,15 @@ at 1K-user scale to select on); eval.json holds that epoch's test metrics.
 tables, ``embedding.staleness`` (row updates applied k steps late) run through
 ``step.make_train_step``, the retrieval step, on ``ranking_objective``.
 
-``train.max_tokens`` fills each batch up to a token budget (RankingLoader). Not yet supported
-here, refused by name (``config.validate`` and ``RankingTask.check``): row-sharded tables, more
-than one process.
+``train.max_tokens`` fills each batch up to a token budget (RankingLoader).
+
+Data-parallel (``grf train --nproc N``, torchrun): each rank trains its share of every global batch
+(``RankingLoader.rank_share``: policy ``dist.balance`` "none" or "kk") with the dropout masks and
+normaliser one process gives those samples, through ``execution.RankSteps``, the retrieval ranks'
+runner: gradients all-reduced in the step, the hash table replicated (every rank maps the global
+step's keys) or, with ``embedding.sharding = "row"``, row-sharded over the ranks (each rank looks
+up its own keys from their owners). N ranks equal one process up to float summation order
+(tests/distributed/test_ranking_equality.py).
 """
 from __future__ import annotations
 
@@ -28,9 +34,11 @@ import math
 import numpy as np
 
 from ..config import Config, ModelConfig
+from ..data.batching import RankSplit
 from ..data.prefetch import PrefetchStats
+from ..embedding.sharding import assemble_table, gathered_view, make_sharded
 from ..errors import ConfigError, Diverged
-from ..execution import lookup_record, step_groups
+from ..execution import BatchIds, RankSteps, lookup_record, step_groups
 from ..hooks import Evaluation, Run, StepResult
 from ..report import RANKING_SELECT
 from ..resume import missing_host
@@ -39,7 +47,7 @@ from ..step import TABLE, Objective, make_train_step
 from . import sparse
 from .data import RankingLoader, split_samples, fingerprint, load_ranking_data
 from .heads import multitask_loss
-from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_param_shapes
+from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_param_shapes, table_plan
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
@@ -76,16 +84,21 @@ def make_ranking_step(B, cfg: Config):
     return make_train_step(B, cfg, ranking_objective(cfg))
 
 
+def table_size(cfg: Config) -> dict:
+    """``{"dim", "num_items"}`` of the hash table: the virtual merged table's rows (ranking/sparse.py)."""
+    (group,) = table_plan(cfg.ranking)
+    return {"dim": cfg.ranking.embed_dim, "num_items": group.rows - 1}
+
+
 def make_host(cfg: Config):
     """The hash table's ``EmbeddingHost`` (None without hash tables): one table over the virtual
     merged table's rows (ranking/sparse.py)."""
     if not sparse.hashed(cfg):
         return None
     from ..embedding.lookup import EmbeddingHost
-    from .model import table_plan
 
-    (group,) = table_plan(cfg.ranking)
-    return EmbeddingHost(cfg, group.rows - 1, dim=cfg.ranking.embed_dim)
+    return EmbeddingHost(cfg, **table_size(cfg))
+
 
 
 def init_params(cfg: Config, host) -> dict:
@@ -104,6 +117,10 @@ def shared_norm(micro: list) -> list:
         return micro
     norm = max(np.asarray(b.norm_len) for b in micro)
     return [dataclasses.replace(b, norm_len=norm) for b in micro]
+
+
+# a ranking batch's keys and its step's shared normaliser, for a data-parallel rank (execution.RankSteps)
+RANKING_IDS = BatchIds(of=sparse.batch_keys, localize=sparse.localize_ranking, join=shared_norm)
 
 
 class RankingSteps:
@@ -190,7 +207,7 @@ class RankingEvaluation(Evaluation):
 
     def evaluate_split(self, run: Run, params, host, name: str) -> dict:
         return evaluate_samples(run.B, params, run.cfg, self.seqs, getattr(self.splits, name), self.scorer,
-                                host=self.host)
+                                on_batch=lambda: run.comm.progress("eval"), host=self.host if host is None else host)
 
     def summary(self, record: dict) -> str:
         v, t = record["valid"], record["test"]
@@ -251,55 +268,82 @@ class RankingTask(Task):
     result_fields = {"task": "ranking"}
 
     def check(self, cfg: Config, world_size: int) -> None:
-        if world_size > 1:
-            raise ConfigError("model.task='ranking' trains in one process so far (README \"Ranking\"); "
-                              "run it without torchrun")
         check_ranking_fits(cfg)
 
     def prepare(self, cfg: Config, world_size: int) -> Prepared:
         seqs = load_ranking_data(cfg)
         splits, how = split_samples(seqs, cfg)
         fp = fingerprint(seqs)
-        loader = RankingLoader(seqs, splits.train, cfg.ranking, cfg.train.batch_size, cfg.train.seed,
-                               max_tokens=cfg.train.max_tokens)
+        mc = cfg.ranking
+        split = RankSplit.from_config(cfg, world_size, dims=(mc.dim, mc.heads, mc.dqk, mc.dv)) if world_size > 1 else None
+        loader = RankingLoader(seqs, splits.train, mc, cfg.train.batch_size, cfg.train.seed,
+                               max_tokens=cfg.train.max_tokens, split=split)
         lengths = np.diff(seqs.offsets)
         describe = (f"data {cfg.data.dataset}: {len(seqs.users):,} users, {int(lengths.sum()):,} events; "
                     f"{len(splits.train):,} training samples of "
-                    f"{'up to ' if splits.train.counts is not None else ''}{cfg.ranking.num_candidates} candidates, "
+                    f"{'up to ' if splits.train.counts is not None else ''}{mc.num_candidates} candidates, "
                     f"{len(splits.valid):,} validation and {len(splits.test):,} test samples; split: {how}")
         return Prepared(cfg, loader, fp, {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
                         describe=describe, label=cfg.data.dataset, payload=(seqs, splits))
 
+    def _sharded(self, cfg: Config, comm) -> bool:
+        return cfg.embedding.sharding == "row" and comm.world_size > 1
+
     def fresh(self, B, prepared: Prepared, comm) -> ModelState:
-        host = make_host(prepared.cfg)
-        return ModelState(B.asarray_tree(init_params(prepared.cfg, host)), host)
+        cfg = prepared.cfg
+        if self._sharded(cfg, comm):  # the rows live in the shards; the params are the dense ones
+            dense = {k: v for k, v in sparse.init_hashed_params(cfg.ranking, 1, cfg.train.seed).items() if k != TABLE}
+            return ModelState(B.asarray_tree(dense), None, make_sharded(B, cfg, comm, **table_size(cfg)))
+        host = make_host(cfg)
+        return ModelState(B.asarray_tree(init_params(cfg, host)), host)
 
     def restore(self, B, prepared: Prepared, comm, checkpoint) -> ModelState:
-        host = make_host(prepared.cfg)
+        cfg = prepared.cfg
+        saved = (checkpoint.host or {}).get("embedding") or {}
+        if self._sharded(cfg, comm):
+            shard = make_sharded(B, cfg, comm, **table_size(cfg))
+            shard.load(saved["shards"] if "shards" in saved else missing_host(checkpoint))
+            return ModelState(B.asarray_tree(checkpoint.params), None, shard)
+        host = make_host(cfg)
         if host is not None:
-            host.load_state_dict(((checkpoint.host or {}).get("embedding")) or missing_host(checkpoint))
+            host.load_state_dict(saved or missing_host(checkpoint))
         return ModelState(B.asarray_tree(checkpoint.params), host)
 
     def host_state(self, state: ModelState, comm) -> dict | None:
+        if state.shard is not None:
+            return {"embedding": {"shards": comm.gather(state.shard.export())}}  # every rank takes part
         return None if state.host is None else {"embedding": state.host.state_dict()}
 
     def steps(self, B, prepared: Prepared, comm, state: ModelState):
-        return RankingSteps(B, prepared.cfg, prepared.loader, state.host)
+        if comm.world_size == 1:
+            return RankingSteps(B, prepared.cfg, prepared.loader, state.host)
+        return RankSteps(B, prepared.cfg, prepared.loader, comm, state.host, state.shard,
+                         objective=ranking_objective(prepared.cfg), ids=RANKING_IDS)
 
     def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
-        seqs, splits = prepared.payload
-        return RankingEvaluation(seqs, splits, make_scorer(B, prepared.cfg), ckdir, state.host)
+        cfg, (seqs, splits) = prepared.cfg, prepared.payload
+        evaluation = RankingEvaluation(seqs, splits, make_scorer(B, cfg), ckdir, state.host)
+        if state.shard is not None:
+            evaluation.view = gathered_view(B, cfg, comm, state.shard, **table_size(cfg))
+        return evaluation
 
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:
-        return param_shapes(cfg)
+        shapes = param_shapes(cfg)
+        if "shards" in ((host_state or {}).get("embedding") or {}):
+            shapes.pop(TABLE)  # a row-sharded table: its rows are in host.embedding.shards
+        return shapes
 
     def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
         seqs = load_ranking_data(cfg)
         samples = getattr(split_samples(seqs, cfg)[0], split)
-        host = make_host(cfg)
-        if host is not None:
-            host.load_state_dict(((checkpoint.host or {}).get("embedding")) or missing_host(checkpoint))
-        result = evaluate_samples(B, B.asarray_tree(checkpoint.params), cfg, seqs, samples, host=host)
+        params, host = checkpoint.params, make_host(cfg)
+        saved = (checkpoint.host or {}).get("embedding") or {}
+        if "shards" in saved:
+            table, host = assemble_table(cfg, saved["shards"], **table_size(cfg))
+            params = {**params, TABLE: table}
+        elif host is not None:
+            host.load_state_dict(saved or missing_host(checkpoint))
+        result = evaluate_samples(B, B.asarray_tree(params), cfg, seqs, samples, host=host)
         return {**result, "dataset": cfg.data.dataset, "task": "ranking"}
 
 

@@ -18,7 +18,7 @@ from ..data import batching, metrics
 from ..data import split as split_mod
 from ..data.datasets import load_dataset
 from ..embedding.lookup import make_host, table_params
-from ..embedding.sharding import assemble_table, make_sharded
+from ..embedding.sharding import assemble_table, gathered_view, make_sharded
 from ..errors import DataError, Diverged
 from ..execution import make_steps
 from ..hooks import Evaluation
@@ -171,16 +171,8 @@ class RetrievalTask(Task):
     def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
         cfg, (data, splits) = prepared.cfg, prepared.payload
         if state.shard is not None:
-            shard = state.shard
-
-            def view(run):  # the shards gathered to rank 0, as one table
-                shards = comm.gather(shard.export())
-                if not comm.is_main:
-                    return None, None
-                table, table_host = assemble_table(cfg, shards)
-                return {**run.params, "item_emb": B.asarray(table)}, table_host
-
-            return Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir, view=view)
+            return Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir,
+                              view=gathered_view(B, cfg, comm, state.shard))
         return Evaluation(partial(evaluate, host=state.host), splits, data.candidates, make_scorer(B, cfg), ckdir)
 
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:

@@ -63,13 +63,14 @@ def train_command(out, *extra_sets: str, args=()) -> list[str]:
 
 
 def spawn_ranks(out, *extra_sets: str, world: int = 2, rank_extra_env: dict | None = None,
-                args=()) -> list[subprocess.Popen]:
-    """Start ``world`` ranks of ``grf train`` (stdout/stderr piped, text)."""
+                args=(), command: list[str] | None = None) -> list[subprocess.Popen]:
+    """Start ``world`` ranks of ``grf train`` (stdout/stderr piped, text): ``command`` (default
+    ``train_command`` of the quickstart)."""
     port = free_port()
     procs = []
     for r in range(world):
         extra = (rank_extra_env or {}).get(r, {})
-        procs.append(subprocess.Popen(train_command(out, *extra_sets, args=args), cwd=ROOT,
+        procs.append(subprocess.Popen(command or train_command(out, *extra_sets, args=args), cwd=ROOT,
                                       env=rank_env(r, world, port, **extra), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return procs

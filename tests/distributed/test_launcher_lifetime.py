@@ -136,15 +136,18 @@ def test_killing_the_launcher_stops_every_rank_and_frees_the_run(tmp_path):
     assert not list(tmp.glob("grf-ranks-*"))
 
 
-def test_ranking_with_nproc_is_refused_before_torchrun_starts(tmp_path, capsys):
-    """Before: torchrun started 2 ranks that each refused it: 48 lines, torch's failure report."""
+def test_a_rule_of_nproc_is_refused_before_torchrun_starts(tmp_path, capsys):
+    """A config that only ``--nproc`` makes wrong (embedding.node_size must divide it) is refused
+    in one line before torchrun starts (before: 2 ranks each refused it, 48 lines of torch's
+    failure report)."""
     from gr_functional.cli import main
 
-    assert main(["train", "--config", "kuairand_rank", "--nproc", "2", "--out", str(tmp_path / "run")]) == 2
+    out = tmp_path / "run"
+    assert main(["train", "--config", "kuairand_rank", "--nproc", "2", "--set", "embedding.node_size=3",
+                 "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err == ("grf: error: --nproc 2: dist.nproc=2: model.task='ranking' needs dist.nproc=1: it trains in one "
-                   "process so far\n")
-    assert not (tmp_path / "run").exists()
+    assert err == "grf: error: --set embedding.node_size=3: embedding.node_size=3: must divide dist.nproc=2\n"
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------- the launcher's pieces
