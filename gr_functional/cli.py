@@ -319,7 +319,8 @@ BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "thr
               "pipeline": "benchmarks.pipeline", "negatives": "benchmarks.negatives", "stream": "benchmarks.stream",
               "scaling": "benchmarks.scaling", "compile": "benchmarks.compile", "roofline": "benchmarks.roofline",
               "recompute": "benchmarks.recompute", "pipeline_sharded": "benchmarks.pipeline_sharded",
-              "ranking": "benchmarks.ranking", "ranking_baselines": "benchmarks.ranking_baselines"}
+              "ranking": "benchmarks.ranking", "ranking_baselines": "benchmarks.ranking_baselines",
+              "ranking_scale": "benchmarks.ranking_scale"}
 
 
 def cmd_bench(args) -> int:

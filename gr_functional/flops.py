@@ -70,3 +70,35 @@ def padded_over_jagged(lengths, max_len: int) -> dict:
         "attention_causal": B * max_len ** 2 / max(causal_cells(L), 1),
         "linear": B * max_len / max(int(L.sum()), 1),
     }
+
+
+def ranking_cells(lengths, num_targets) -> int:
+    """Score cells of GR's ranking mask: per sequence of L tokens with c candidates, the L - c
+    contextual and history tokens attend causally, each candidate to those and to itself."""
+    L, c = np.asarray(lengths, np.int64), np.asarray(num_targets, np.int64)
+    n0 = L - c
+    return int((n0 * (n0 + 1) // 2 + c * (n0 + 1)).sum())
+
+
+def ranking_step_flops(rc, lengths, num_targets) -> dict:
+    """Model FLOPs of one training step of the ranking model (``rc``: RankingConfig) on sequences
+    of ``lengths`` tokens (contextual + history + candidates) with ``num_targets`` candidates each,
+    counted as the module docstring counts the retrieval HSTU's: the STU layers (uvqk, attention
+    over ``ranking_cells``, the output projection of [u, o, u * norm(o)]), the contextual maps
+    (S per user), the content and action towers (per history or candidate token), and per
+    candidate the time-aware postprocessor (D + 4 time features in), the item tower and the multitask head; x 3 for
+    forward + backward. Embedding gathers and elementwise work are not counted."""
+    L, c = np.asarray(lengths, np.int64), np.asarray(num_targets, np.int64)
+    T, C, users = int(L.sum()), int(c.sum()), len(L)
+    S, E, D, H, dqk, dv = rc.contextual, rc.embed_dim, rc.dim, rc.heads, rc.dqk, rc.dv
+    items = T - users * S
+    K = len(rc.action_weights)
+    th, ih, kh = rc.tower_hidden, rc.item_hidden, rc.task_hidden
+    per_layer = {"uvqk": 2 * T * D * 2 * H * (dv + dqk), "attention": 2 * ranking_cells(L, c) * H * (dqk + dv),
+                 "output": 2 * T * 3 * H * dv * D}
+    forward = {k: v * rc.num_layers for k, v in per_layer.items()}
+    forward["inputs"] = 2 * users * S * E * D + 2 * items * (E * th + th * D) + 2 * items * (K * rc.action_dim * th + th * D)
+    forward["heads"] = 2 * C * ((D + 4) * D + E * ih + ih * D + D * kh + kh * K)
+    parts = {k: 3 * v for k, v in forward.items()}
+    parts["total"] = sum(parts.values())
+    return parts

@@ -220,7 +220,7 @@ class StepLog(Hook):
                     "elapsed_s": time.perf_counter() - run.run_start}
             if step.rank_tokens is not None:
                 trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"], wait_s=m["wait_s"],
-                            rank_tokens=step.rank_tokens)
+                            rank_tokens=step.rank_tokens, rank_peak_rss_mb=m["rank_peak_rss_mb"])
             run.timing.write(trec)
             return
         reason, _ = bad_step(m, cfg)

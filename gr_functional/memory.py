@@ -315,3 +315,12 @@ def check_fits(cfg, data) -> list[Item]:
         f"({source}); {big.fix}. Largest items: "
         + ", ".join(f"{it.name} {_gb(it.nbytes)}" for it in top)
         + f" (estimate: gr_functional/memory.py; {ENV_LIMIT} overrides the available figure)")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (bytes; ``getrusage``'s ru_maxrss, KiB on Linux)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

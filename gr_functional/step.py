@@ -47,6 +47,7 @@ from .config import Config, Precision, choices
 from .embedding import rowopt
 from .errors import ConfigError
 from .embedding.lookup import Lookup, looked_up_rows
+from .memory import peak_rss_bytes
 from .optim import learning_rate
 from .optimizers import GradientTransformation, all_finite, apply_updates, update_loss_scale
 from .optimizers import build as build_optimizer
@@ -449,7 +450,8 @@ def make_dist_train_step(B, cfg: Config, comm, objective: Objective | None = Non
     metrics as ``train_step`` plus host floats ``compute_s`` (this rank's forward+backward wall
     seconds), ``wait_s`` (waiting for gradients after it), ``rank_compute_s`` and
     ``rank_cpu_s`` (lists over ranks: wall and main-thread CPU seconds of forward+backward; CPU
-    time is what a rank's work costs even when a shared machine preempts it).
+    time is what a rank's work costs even when a shared machine preempts it) and
+    ``rank_peak_rss_mb`` (each rank's peak resident memory so far, MiB).
     """
     loss_fn = partial(_loss, B, cfg=cfg, objective=objective)
     local_vg = B.value_and_grad(loss_fn, has_aux=True)
@@ -464,17 +466,19 @@ def make_dist_train_step(B, cfg: Config, comm, objective: Objective | None = Non
         loss_part, grads = rank_grads(B, view, opt_state, list(micro), scales, cfg, vg=local_vg,
                                       last_vg=reduced_vg)
         compute, cpu, wait = comm.step_times()
-        row = np.zeros(1 + 2 * R)
+        row = np.zeros(1 + 3 * R)
         row[0] = float(loss_part)
         row[1 + comm.rank] = compute
         row[1 + R + comm.rank] = cpu
+        row[1 + 2 * R + comm.rank] = peak_rss_bytes() / 2**20
         row = comm.all_reduce_sum(row)
         loss = B.asarray(row[0], dtype=B.float_dtype)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
                                                   grads, cfg, lookup=lookup, view=view)
         metrics.update(compute_s=compute, wait_s=wait,
                        rank_compute_s=[float(x) for x in row[1:1 + R]],
-                       rank_cpu_s=[float(x) for x in row[1 + R:]])
+                       rank_cpu_s=[float(x) for x in row[1 + R:1 + 2 * R]],
+                       rank_peak_rss_mb=[float(x) for x in row[1 + 2 * R:]])
         return params, opt_state, metrics
 
     return step
@@ -514,11 +518,12 @@ def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | N
         loss_part, grads = rank_grads(B, view, opt_state, list(micro), scales, cfg, vg=local_vg, last_vg=reduced_vg)
         row_grads = grads.pop(TABLE)[1:]
         compute, cpu, wait = comm.step_times()
-        vec = np.zeros(2 + 2 * R)
+        vec = np.zeros(2 + 3 * R)
         vec[0] = float(loss_part)
         vec[1] = 0.0 if bool(all_finite(B, row_grads)) else 1.0
         vec[2 + comm.rank] = compute
         vec[2 + R + comm.rank] = cpu
+        vec[2 + 2 * R + comm.rank] = peak_rss_bytes() / 2**20
         vec = comm.all_reduce_sum(vec)
         loss = B.asarray(vec[0], dtype=B.float_dtype)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, B.asarray(float(global_tokens)),
@@ -529,7 +534,8 @@ def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | N
             landed()
             table.queue(pending, row_grads, ok=metrics["finite"])
         metrics.update(compute_s=compute, wait_s=wait, rank_compute_s=[float(x) for x in vec[2:2 + R]],
-                       rank_cpu_s=[float(x) for x in vec[2 + R:]])
+                       rank_cpu_s=[float(x) for x in vec[2 + R:2 + 2 * R]],
+                       rank_peak_rss_mb=[float(x) for x in vec[2 + 2 * R:]])
         return params, opt_state, metrics
 
     return step

@@ -226,6 +226,45 @@ def test_sharded_stream_bench_on_two_ranks():
     assert rows[-1]["params"]["table"] == 600 * 16
 
 
+def test_ranking_flops_count_gr_ranking_mask():
+    """flops.ranking_cells counts the (query, key) pairs GR's ranking mask allows (history causal,
+    each candidate the history and itself), checked by brute force; the step's total is 3 x the
+    forward parts' sum."""
+    from gr_functional.configure import load_config
+    from gr_functional.flops import ranking_cells, ranking_step_flops
+
+    def brute(L, c):
+        n0 = L - c
+        return sum(1 for i in range(L) for j in range(L) if (j <= i if i < n0 else (j < n0 or j == i)))
+
+    lengths, targets = [8, 13, 7], [2, 10, 1]
+    assert ranking_cells(lengths, targets) == sum(brute(L, c) for L, c in zip(lengths, targets))
+    rc = load_config("experiments/configs/kuairand_pure_rank.toml").ranking
+    parts = ranking_step_flops(rc, lengths, targets)
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert parts["attention"] == 3 * rc.num_layers * 2 * ranking_cells(lengths, targets) * rc.heads * (rc.dqk + rc.dv)
+
+
+def test_ranking_scale_bench_summarises_a_two_rank_run(capsys):
+    """The ranking 0.2B preset's path, shrunk: `grf train --nproc 2` on the ranking stream with
+    the merged hash table row-sharded and evicting; the row carries tokens/s, MFU, per-rank RSS,
+    the all-to-all and all-reduce bytes, the imbalance and the parameter counts."""
+    from benchmarks import ranking_scale
+
+    sets = ["data.synthetic_users=40", "data.synthetic_max_events=80", "ranking.embed_dim=8", "ranking.dim=16",
+            "ranking.num_layers=1", "ranking.heads=2", "ranking.dqk=4", "ranking.dv=4", "ranking.max_seq_len=40",
+            "ranking.tower_hidden=8", "ranking.item_hidden=8", "ranking.task_hidden=8", "ranking.time_buckets=16",
+            "ranking.position_buckets=64", "embedding.capacity=300", "train.batch_size=8", "train.max_steps=6",
+            "train.log_every=2", "eval.max_users=8"]
+    (row,) = ranking_scale.run(json_lines=True, sets=sets)
+    assert _lines(capsys) == [json.loads(json.dumps(row))]
+    assert row["ranks"] == 2 and row["steps"] == 4 and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert len(row["peak_rss_mb"]) == 2 and row["peak_rss_mb_max"] == max(row["peak_rss_mb"]) > 0
+    assert row["alltoall_mb_per_step"] > 0 and row["allreduce_mb"] * 2**20 == 4 * row["params_dense"]
+    assert row["params_table"] == 300 * 8 and row["params_total"] == row["params_table"] + row["params_dense"]
+    assert row["occupancy"] == 300 and row["evictions"] > 0 and row["imbalance"] >= 0
+
+
 def test_scaling_bench_byte_model_and_projection():
     """The cost model's all-to-all bytes match the ranks' counted ones (timings are not asserted:
     they depend on the machine's load); the projection covers both hardware presets."""

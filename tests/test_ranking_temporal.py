@@ -67,6 +67,34 @@ def test_a_batch_of_a_window_sees_only_the_history_before_it():
     assert b.cand_items[:4].tolist() == [11, 12, 13, 14]             # events 10..13 (+1: table rows)
 
 
+@pytest.mark.parametrize("recent", [-1, 0, 3, 50])
+def test_recent_history_keeps_the_newest_events_and_the_query_time(recent):
+    """ranking.recent_history = N keeps the N most recent history events (0: none, the
+    non-sequential model); -1 is GR's (the oldest max_history). The candidates' query time is
+    the newest history event's either way, and Samples.tokens counts what the batch lays out."""
+    import dataclasses
+
+    from gr_functional.ranking.heads import time_features
+    from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
+
+    seqs = _seqs([list(range(10)) + [10, 10, 10, 11, 12, 13, 13]])
+    splits, _ = temporal_split(seqs, 2, valid_start=10 * DAY, test_start=12 * DAY)
+    base = RankingModelConfig(num_candidates=2, max_seq_len=14, video_table=100, context_tables=(3, 2, 2, 2, 2, 2),
+                              embed_dim=4, dim=4, heads=1, dqk=2, dv=2, tower_hidden=4, item_hidden=4, task_hidden=4)
+    cfg = dataclasses.replace(base, recent_history=recent)
+    pick = np.arange(1)
+    b = make_ranking_batch(seqs, splits.valid.users[pick], cfg, **splits.valid.batch_args(pick))
+    kept = {-1: 6, 0: 0, 3: 3, 50: 6}[recent]                         # max_history = 14 - 2 - 6 = 6
+    assert int(b.layout.offsets[1]) == 6 + kept + 2 == int(splits.valid.tokens(cfg)[0])
+    history = b.item_ids[:kept] - 1                                  # video id = event number (row - 1)
+    # GR keeps events 0..5 of the 10 before the window; recent_history the newest ones
+    want = list(range(6)) if recent == -1 else list(range(10 - kept, 10))
+    assert history.tolist() == want
+    # query time: the newest KEPT event's for GR (event 5), the newest before the window otherwise
+    newest = 5 if recent == -1 else 9
+    assert np.allclose(b.cand_feats[:2], time_features(np.full(2, newest * DAY)))
+
+
 def test_cutoffs_outside_the_data_are_refused_naming_the_key():
     seqs = _seqs([list(range(10))])
     with pytest.raises(DataError, match="data.test_start.*no valid"):
