@@ -95,6 +95,38 @@ def test_recent_history_keeps_the_newest_events_and_the_query_time(recent):
     assert np.allclose(b.cand_feats[:2], time_features(np.full(2, newest * DAY)))
 
 
+def test_a_log_in_parts_or_appended_gives_the_sequences_of_the_whole(tmp_path):
+    """data.path as a glob of a log's parts (the earlier period's file first, as the official
+    KuaiRand logs come), or a later part appended to an earlier one, reads the per-user
+    sequences (and fingerprint) of the whole log; a glob matching nothing names data.path."""
+    from gr_functional.data.paths import dataset_path
+    from gr_functional.ranking.data import fingerprint, load_ranking_data
+
+    header, *rows = open(dataset_path("kuairand-sample")).read().splitlines()
+    cols = header.split(",")
+    key = lambda r: (int(r.split(",")[cols.index("user_id")]), int(r.split(",")[cols.index("time_ms")]))  # noqa: E731
+    rows.sort(key=key)                                                # by user, then time, as the official files
+    cut = sorted(key(r)[1] for r in rows)[len(rows) // 2]
+    early = [r for r in rows if key(r)[1] < cut]
+    late = [r for r in rows if key(r)[1] >= cut]
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "whole.csv").write_text("\n".join([header, *rows]) + "\n")
+    (tmp_path / "parts" / "log_1_early.csv").write_text("\n".join([header, *early]) + "\n")
+    (tmp_path / "parts" / "log_2_late.csv").write_text("\n".join([header, *late]) + "\n")
+    (tmp_path / "appended.csv").write_text("\n".join([header, *early, *late]) + "\n")
+
+    def load(path):
+        return load_ranking_data(load_config("experiments/configs/kuairand_pure_rank.toml", [f"data.path={path}"]))
+
+    whole = load(tmp_path / "whole.csv")
+    for other in (load(tmp_path / "parts" / "log_*.csv"), load(tmp_path / "appended.csv")):
+        assert fingerprint(other) == fingerprint(whole)
+        assert np.array_equal(other.offsets, whole.offsets)
+        assert all(np.array_equal(other.columns[c], whole.columns[c]) for c in SEQUENCE_COLUMNS)
+    with pytest.raises(DataError, match=r"data.path=.*nothing_\*\.csv.*no file matches"):
+        load(tmp_path / "nothing_*.csv")
+
+
 def test_cutoffs_outside_the_data_are_refused_naming_the_key():
     seqs = _seqs([list(range(10))])
     with pytest.raises(DataError, match="data.test_start.*no valid"):

@@ -18,7 +18,8 @@ GR's preprocessing (``generative_recommenders/dlrm_v3/preprocess_public_data.py`
   appearance in the feature file (GR's ``_one_hot_encode``: pandas ``unique()`` order), an empty
   field being a category of its own.
 Where this departs: GR inner-joins the log parts too (a user absent from one part is dropped
-from all); ``sequences_from_log`` takes one log (concatenate parts before), keeping every user.
+from all); ``sequences_from_log`` takes one log (``data.path`` may be a glob of the parts:
+``log_files``, ``concat_logs``), keeping every user.
 """
 from __future__ import annotations
 
@@ -172,9 +173,34 @@ def _load_gr(cfg, path):
     return load_gr_processed(_needs_path(cfg))
 
 
+def log_files(path: str) -> list[Path]:
+    """The log files ``data.path`` names: one file, or a glob pattern (``*``, ``?``, ``[``) matching
+    several in name order, e.g. the official KuaiRand-Pure logs ``.../log_standard_4_*_pure.csv``
+    (4_08_to_4_21, then 4_22_to_5_08: the earlier period first). DataError when none matches."""
+    if not any(ch in path for ch in "*?["):
+        return [Path(path)]
+    p = Path(path)
+    files = sorted(f for f in p.parent.glob(p.name) if f.is_file())
+    if not files:
+        raise DataError(f"data.path={path!r}: no file matches the pattern (in {p.parent})")
+    return files
+
+
+def concat_logs(logs: list):
+    """One log of several (``load_kuairand_log`` each), rows in the given order: a later period's
+    file after an earlier one's. Errors still name each file (they are raised while reading it)."""
+    if len(logs) == 1:
+        return logs[0]
+    cat = lambda key: np.concatenate([getattr(log, key) for log in logs])  # noqa: E731
+    return dataclasses.replace(logs[0], user=cat("user"), item=cat("item"), time=cat("time"),
+                               extra={k: np.concatenate([log.extra[k] for log in logs]) for k in logs[0].extra},
+                               source=" + ".join(log.source for log in logs), lines=None)
+
+
 def _load_log(cfg, path):
-    log = cfg.data.path or dataset_path("kuairand-pure-log")   # default: the real KuaiRand-Pure rows in the data dir
-    return sequences_from_log(load_kuairand_log(log, columns=LOG_COLUMNS), load_kuairand_features(kind="user"))
+    files = log_files(cfg.data.path) if cfg.data.path else [dataset_path("kuairand-pure-log")]  # default: real Pure rows
+    log = concat_logs([load_kuairand_log(f, columns=LOG_COLUMNS) for f in files])
+    return sequences_from_log(log, load_kuairand_features(kind="user"))
 
 
 register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.csv)", _load_gr, needs_file=False,
