@@ -149,6 +149,24 @@ def _flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _plain(value):
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _stored_config(values: dict) -> dict:
+    """The flattened config of a run folder's config.toml as the run computed with it: moved keys
+    in their place and the keys added since at the value they meant then (``config.migrate``: the
+    listed exceptions, else today's default, since a key is added with a default that keeps what
+    runs did), so a key written only by newer runs still tells them apart from older ones."""
+    from .config import Config, migrate
+
+    flat = _flatten(migrate(values, stored=True))
+    for key, value in _flatten(dataclasses.asdict(Config())).items():
+        if key.split(".")[0] in values:                  # sections a run wrote; a plugin's stay as they are
+            flat.setdefault(key, _plain(value))
+    return flat
+
+
 def _missing(path: Path) -> ReportError:
     return ReportError(f"{path}: does not exist (no such file or directory), so it is neither a run directory nor "
                        f"a folder of them; pass folders written by grf train --out, or a folder holding them")
@@ -170,7 +188,7 @@ def load_run(path: str | Path) -> RunFolder:
     config = {}
     if (path / "config.toml").exists():
         try:
-            config = _flatten(tomllib.loads((path / "config.toml").read_text()))
+            config = _stored_config(tomllib.loads((path / "config.toml").read_text()))
         except tomllib.TOMLDecodeError as exc:
             raise ReportError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
     from .runlock import is_held

@@ -80,6 +80,19 @@ def test_keys_missing_from_older_configs_are_not_differences(tmp_path):
     assert report.differing_keys(report.find_runs([tmp_path / "old", tmp_path / "new"])) == []
 
 
+def test_a_key_only_newer_runs_wrote_tells_them_apart_from_older_ones(tmp_path):
+    """A key added later reads as the value older runs computed with (today's default, or
+    config.migrate's exception): a newer run that set another value is a different group."""
+    _write_run(tmp_path / "old", evals=[(4, .2, .2)], extra_config="\n[ranking]\nembed_dim = 8\n")
+    _write_run(tmp_path / "same", seed=1, evals=[(4, .2, .2)],
+               extra_config="\n[ranking]\nembed_dim = 8\nrecent_history = -1\n")
+    _write_run(tmp_path / "ablated", evals=[(4, .2, .2)], extra_config="\n[ranking]\nembed_dim = 8\nrecent_history = 0\n")
+    runs = report.find_runs([tmp_path / "old", tmp_path / "same", tmp_path / "ablated"])
+    assert report.differing_keys(runs, ignore=("train.seed",)) == ["ranking.recent_history"]
+    _, rows = report.summary_rows(runs, ["hr@10"], group_seeds=True)
+    assert sorted(r["n"] for r in rows) == [1, 2]                  # old + same (seeds 42, 1) and ablated
+
+
 def test_damaged_and_wrong_inputs_are_clear_errors(tmp_path, capsys):
     run = _write_run(tmp_path / "a", evals=[(4, .2, .2), (9, .3, .3)], finished=False)
     with open(run / "metrics.jsonl", "a") as f:
