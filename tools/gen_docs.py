@@ -261,8 +261,8 @@ def _format(value, fmt: str) -> str:
         return f"{value / 2**20:,.0f}"
     if fmt == "int":  # thousands separated ("," itself separates columns)
         return f"{value:,.0f}"
-    if fmt == "±":
-        mean, std = value
+    if fmt == "±":  # a seed group's [mean, std]; a single run's value alone
+        mean, std = value if isinstance(value, (list, tuple)) else (value, None)
         return f"{mean:.4f}" if std is None or std != std else f"{mean:.4f} ± {std:.4f}"
     if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, fmt)
@@ -314,9 +314,10 @@ def fill_tables(text: str, page: Path) -> str:
 
 
 def written_pages() -> list[Path]:
-    """Written (not generated) pages that hold ``grf:table`` blocks."""
-    return [p for p in sorted((ROOT / "docs").rglob("*.md"))
-            if p not in PAGES and TABLE_BLOCK.search("".join(FENCE.split(p.read_text())[::2]))]
+    """Written (not generated) pages that hold ``grf:table`` blocks: the README and docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in pages if p.is_file() and p not in PAGES and
+            TABLE_BLOCK.search("".join(FENCE.split(p.read_text())[::2]))]
 
 
 def main(argv=None) -> int:
