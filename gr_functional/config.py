@@ -119,6 +119,12 @@ class DataConfig:
     valid_start: str = ""
     test_start: str = ""
     test_end: str = ""
+    # kuairand-rank-log with split = "temporal": each user's pre-period video ids prepended to its
+    # history (never candidates): a Parquet file with user_id, last_time_ms, watch_seq, like_seq and
+    # long_watch_seq, as the data folder's KuaiRand-Pure user_sequences_pure_before_20220425.parquet,
+    # which "kuairand-pure-before" names; "" = none (gr_functional/data/sources/kuairand_ranking.py
+    # ``prefix_history``: what the prefix events carry and what they cannot)
+    history_prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -789,6 +795,9 @@ def _validate_ranking(cfg: Config, fail) -> None:
     elif any(getattr(d, key) for key in ("valid_start", "test_start", "test_end")):
         key = next(k for k in ("valid_start", "test_start", "test_end") if getattr(d, k))
         fail("data", key, 'is a cutoff of data.split="temporal"; set data.split="temporal" or drop it')
+    if d.history_prefix and (d.dataset != "kuairand-rank-log" or d.split != "temporal"):
+        fail("data", "history_prefix", "prefixes an official KuaiRand log's users with their pre-period ids: it needs "
+                                       "data.dataset='kuairand-rank-log' and data.split='temporal'")
     if cfg.dist.balance == "lookahead":
         fail("dist", "balance", "model.task='ranking' splits each global batch as it is (\"none\" or \"kk\"); "
                                 "lookahead moves samples between batches, which ranking's loader does not plan")

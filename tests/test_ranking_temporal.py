@@ -127,6 +127,72 @@ def test_a_log_in_parts_or_appended_gives_the_sequences_of_the_whole(tmp_path):
         load(tmp_path / "nothing_*.csv")
 
 
+def test_a_pre_period_prefix_is_history_never_a_candidate(tmp_path):
+    """data.history_prefix: each user's pre-period ids (Parquet, as the data folder's KuaiRand-Pure
+    file) come before its log events with the file's one time and its like / long-view bits; the
+    temporal split never makes them candidates, but every window sees them as history."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gr_functional.data.sources.kuairand_ranking import prefix_history, read_prefix
+    from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
+
+    seqs = _seqs([[5, 6, 7, 10, 11, 12], [10, 12]])                  # user 1 has no history before day 10
+    path = tmp_path / "before.parquet"
+    pq.write_table(pa.table({"user_id": [0, 1, 9], "history_len": [70, 2, 1], "last_time_ms": [4 * DAY, 3 * DAY, DAY],
+                             "watch_seq": [[100, 101, 102], [200, 201], [300]], "like_seq": [[101], [], []],
+                             "long_watch_seq": [[101, 102], [201], []]}), path)
+    pre = prefix_history(seqs, read_prefix(path))
+    assert pre.history_only.tolist() == [3, 2] and np.diff(pre.offsets).tolist() == [9, 4]
+    first = pre.sequence(0)
+    assert first["video_id"][:4].tolist() == [100, 101, 102, 0] and first["time_ms"][:3].tolist() == [4 * DAY] * 3
+    assert first["action_weights"][:3].tolist() == [0, 2 + 64, 64]    # like = 2, long view = 64; no click
+    splits, skipped = temporal_split(pre, 2, valid_start=10 * DAY, test_start=12 * DAY)
+    # user 0: training candidates are its 3 log events before day 10 only (windows [4, 6) and [3, 4));
+    # user 1 now has history (its prefix) before the validation window
+    assert splits.train.users.tolist() == [0, 0] and splits.train.ends.tolist() == [6, 4]
+    assert splits.train.counts.tolist() == [2, 1] and skipped["valid_no_history"] == 0
+    assert splits.valid.users.tolist() == [0, 1] and splits.valid.history_ends.tolist() == [6, 2]
+    cfg = RankingModelConfig(num_candidates=2, max_seq_len=64, video_table=1000, context_tables=(3, 2, 2, 2, 2, 2),
+                             embed_dim=4, dim=4, heads=1, dqk=2, dv=2, tower_hidden=4, item_hidden=4, task_hidden=4)
+    b = make_ranking_batch(pre, splits.valid.users[1:], cfg, **splits.valid.batch_args(slice(1, 2)))
+    assert (b.item_ids[:2] - 1).tolist() == [200, 201] and (b.cand_items[:1] - 1).tolist() == [6]   # its own event
+    # refusals: a prefix after the log, a file without the columns, the windows split, another dataset
+    late = tmp_path / "late.parquet"
+    pq.write_table(pa.table({"user_id": [0], "last_time_ms": [6 * DAY], "watch_seq": [[1]], "like_seq": [[]],
+                             "long_watch_seq": [[]]}), late)
+    with pytest.raises(DataError, match="later than its first log event"):
+        prefix_history(seqs, read_prefix(late))
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(pa.table({"user_id": [0]}), bare)
+    with pytest.raises(DataError, match=r"no column\(s\) last_time_ms, watch_seq"):
+        read_prefix(bare)
+    from gr_functional.ranking.data import chronological_split
+
+    with pytest.raises(DataError, match="needs data.split='temporal'"):
+        chronological_split(pre, 2)
+    with pytest.raises(ConfigError, match="data.history_prefix"):
+        load_config("experiments/configs/kuairand_rank.toml", ["data.history_prefix=kuairand-pure-before"])
+
+
+def test_the_real_pre_period_prefix_loads():
+    """The data folder's KuaiRand-Pure prefix on the real log: most users get up to 50 earlier ids,
+    the split's training samples keep their candidates and gain history."""
+    from gr_functional.ranking.data import load_ranking_data, split_samples
+
+    cfg = load_config("experiments/configs/kuairand_pure_rank.toml")
+    plain = load_ranking_data(cfg)
+    pre = load_ranking_data(load_config("experiments/configs/kuairand_pure_rank.toml",
+                                        ["data.history_prefix=kuairand-pure-before"]))
+    assert pre.history_only.max() == 50 and (pre.history_only > 0).mean() > 0.9
+    assert int(pre.offsets[-1]) == int(plain.offsets[-1]) + int(pre.history_only.sum())
+    a, b = split_samples(plain, cfg)[0], split_samples(pre, cfg)[0]
+    # a user's first log event, which had no history, becomes a candidate; prefix events never do
+    before = sum(int(np.searchsorted(plain.sequence(u)["time_ms"], 1651507200000)) for u in range(len(plain.users)))
+    assert a.train.candidates(10).sum() < b.train.candidates(10).sum() <= before
+    assert len(b.test) >= len(a.test)
+
+
 def test_cutoffs_outside_the_data_are_refused_naming_the_key():
     seqs = _seqs([list(range(10))])
     with pytest.raises(DataError, match="data.test_start.*no valid"):

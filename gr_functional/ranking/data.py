@@ -62,9 +62,18 @@ def fingerprint(seqs: RankingSequences) -> str:
     h = hashlib.sha256()
     arrays = [seqs.users, seqs.offsets, *(seqs.columns[c] for c in SEQUENCE_COLUMNS),
               *(seqs.context[c] for c in sorted(seqs.context))]
+    if getattr(seqs, "history_only", None) is not None:
+        arrays.append(seqs.history_only)
     for arr in arrays:
         h.update(np.ascontiguousarray(arr, np.int64).view(np.uint8).reshape(-1).data)
     return h.hexdigest()
+
+
+def history_only(seqs) -> np.ndarray:
+    """``[U]`` int64: each user's first events that are history only (a prefix; zeros when the
+    sequences have none, or are a dataset of one's own without the field)."""
+    prefix = getattr(seqs, "history_only", None)
+    return np.zeros(len(seqs.users), np.int64) if prefix is None else np.asarray(prefix, np.int64)
 
 
 @dataclasses.dataclass
@@ -114,6 +123,9 @@ class RankingSplits:
 def chronological_split(seqs: RankingSequences, num_candidates: int) -> RankingSplits:
     """The split of the module docstring; ``DataError`` naming a user with too few events."""
     C = num_candidates
+    if np.any(history_only(seqs)):
+        raise DataError("the windows split takes every event as a candidate; a history prefix "
+                        "(data.history_prefix) needs data.split='temporal'")
     lengths = np.diff(seqs.offsets)
     short = np.flatnonzero(lengths < 3 * C + 1)
     if len(short):
@@ -139,12 +151,14 @@ def temporal_split(seqs: RankingSequences, num_candidates: int, valid_start: int
     each after at least one history event (the latest window ends at the last training event);
     validation / test = each user's events in ``[valid_start, test_start)`` / ``[test_start,
     test_end)`` in chunks of up to C, every chunk with the history before its window. ``counts``:
-    users without history before a window or without events in it (no sample there). DataError
-    naming the key when a cutoff leaves a split empty."""
+    users without history before a window or without events in it (no sample there). A sequence's
+    first ``seqs.history_only`` events (a pre-period prefix) are history, never candidates.
+    DataError naming the key when a cutoff leaves a split empty."""
     C = num_candidates
     times = np.asarray(seqs.columns["time_ms"], np.int64)
     t_min, t_max = int(times.min()), int(times.max())
     lengths = np.diff(seqs.offsets)
+    prefix = history_only(seqs)
     tu, te, tc = [], [], []
     window = {"valid": ([], [], [], []), "test": ([], [], [], [])}
     skipped = {"valid_no_history": 0, "test_no_history": 0}
@@ -155,10 +169,11 @@ def temporal_split(seqs: RankingSequences, num_candidates: int, valid_start: int
             raise DataError(f"{source}: user {int(seqs.users[u])}'s events are not in time order; a temporal split "
                             f"needs each user's events sorted by time_ms")
         n_train = int(np.searchsorted(t, valid_start, side="left"))
-        ends = np.arange(n_train, 1, -C)                          # candidates [e - c, e), c <= C, after >= 1
+        first = max(1, prefix[u])                                 # a prefix is history only, never a candidate
+        ends = np.arange(n_train, first, -C)                      # candidates [e - c, e), c <= C, after >= 1
         tu.append(np.full(len(ends), u))                          # history event: the earliest chunk may be short
         te.append(ends)
-        tc.append(np.minimum(C, ends - 1))
+        tc.append(np.minimum(C, ends - first))
         for name, (lo, hi) in bounds.items():
             a, b = (int(np.searchsorted(t, x, side="left")) for x in (lo, hi))
             if a == b:

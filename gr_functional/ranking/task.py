@@ -100,7 +100,6 @@ def make_host(cfg: Config):
     return EmbeddingHost(cfg, **table_size(cfg))
 
 
-
 def init_params(cfg: Config, host) -> dict:
     """numpy parameters of a fresh run (dense tables, or hash mode's)."""
     if host is None:

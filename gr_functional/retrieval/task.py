@@ -122,7 +122,7 @@ class RetrievalTask(Task):
 
     select_metric, curve_label = "hr@10", "HR@10"
     rng_generator = "numpy default_rng((train.seed, epoch, batch))"
-    unused_keys = {"ranking": None}
+    unused_keys = {"ranking": None, "data": ("split", "valid_start", "test_start", "test_end", "history_prefix")}
 
     def prepare(self, cfg: Config, world_size: int) -> Prepared:
         data = load_sequences(cfg)

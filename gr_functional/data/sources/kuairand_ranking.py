@@ -48,12 +48,14 @@ LOG_COLUMNS = tuple(name for name, _ in ACTION_BITS) + ("play_time_ms", "duratio
 class RankingSequences:
     """``users[U]`` int64 and jagged per-user sequences ``offsets[U+1]`` int64 over
     ``columns[name][T]`` int64 for each of ``SEQUENCE_COLUMNS``; ``context[name][U]`` int64 codes
-    (>= 1) of ``CONTEXT_FEATURES``."""
+    (>= 1) of ``CONTEXT_FEATURES``; ``history_only[U]`` int64 or None: how many of each user's first
+    events are history only (a pre-period prefix, ``prefix_history``: never candidates)."""
 
     users: np.ndarray
     offsets: np.ndarray
     columns: dict
     context: dict
+    history_only: np.ndarray | None = None
 
     def sequence(self, u: int) -> dict:
         """User number ``u``'s columns (numpy slices)."""
@@ -197,15 +199,80 @@ def concat_logs(logs: list):
                                source=" + ".join(log.source for log in logs), lines=None)
 
 
+PREFIX_COLUMNS = ("user_id", "last_time_ms", "watch_seq", "like_seq", "long_watch_seq")
+
+
+def read_prefix(path: str | Path) -> dict:
+    """``{user_id: (last_time_ms, watch ids, like ids, long-view ids)}`` of a pre-period Parquet file
+    (``PREFIX_COLUMNS``; pyarrow reads it); DataError naming the file and what is wrong."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: data.history_prefix reads Parquet, which needs pyarrow: pip install pyarrow") from None
+    try:
+        names = list(pq.read_schema(path).names)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid / OSError types
+        raise DataError(f"{path}: not a readable Parquet file ({exc}) (data.history_prefix)") from None
+    missing = [c for c in PREFIX_COLUMNS if c not in names]
+    if missing:
+        raise DataError(f"{path}: no column(s) {', '.join(missing)} (data.history_prefix needs {', '.join(PREFIX_COLUMNS)}; "
+                        f"the file has {', '.join(names)})")
+    rows = pq.read_table(path, columns=list(PREFIX_COLUMNS)).to_pydict()
+    return {int(u): (int(t), list(w or ()), set(lk or ()), set(lw or ()))
+            for u, t, w, lk, lw in zip(*(rows[c] for c in PREFIX_COLUMNS))}
+
+
+def prefix_history(seqs: RankingSequences, prefix: dict, source: str = "data.history_prefix") -> RankingSequences:
+    """``seqs`` with each user's pre-period video ids (``read_prefix``: ``watch_seq``, taken as
+    oldest first) before its first event, counted in ``history_only``. What the file gives is all
+    they carry: one time for all (``last_time_ms``, the user's last pre-period event), the like and
+    long-view bits where the id is in ``like_seq`` / ``long_watch_seq`` (the last 50 of each), no
+    click or other action (0), play and duration 0. Users absent from the file get no prefix; a
+    prefix later than the user's first event is a DataError."""
+    bit = dict(ACTION_BITS)
+    parts = {c: [] for c in SEQUENCE_COLUMNS}
+    lengths, extra = np.diff(seqs.offsets), np.zeros(len(seqs.users), np.int64)
+    for u, user in enumerate(seqs.users):
+        own = seqs.sequence(u)
+        pre = prefix.get(int(user))
+        if pre is not None and pre[1]:
+            when, ids, liked, long_viewed = pre
+            if lengths[u] and when > int(own["time_ms"][0]):
+                raise DataError(f"{source}: user {int(user)}'s pre-period events (last_time_ms {when}) are later than "
+                                f"its first log event ({int(own['time_ms'][0])}): the prefix must precede the log")
+            extra[u] = len(ids)
+            parts["video_id"].append(np.asarray(ids, np.int64))
+            parts["time_ms"].append(np.full(len(ids), when, np.int64))
+            parts["action_weights"].append(np.asarray([bit["is_like"] * (i in liked) + bit["long_view"] * (i in long_viewed)
+                                                       for i in ids], np.int64))
+            parts["play_time_ms"].append(np.zeros(len(ids), np.int64))
+            parts["duration_ms"].append(np.zeros(len(ids), np.int64))
+        for c in SEQUENCE_COLUMNS:
+            parts[c].append(np.asarray(own[c], np.int64))
+    offsets = np.zeros(len(seqs.users) + 1, np.int64)
+    np.cumsum(lengths + extra, out=offsets[1:])
+    columns = {c: np.concatenate(parts[c]) if parts[c] else np.zeros(0, np.int64) for c in SEQUENCE_COLUMNS}
+    return dataclasses.replace(seqs, offsets=offsets, columns=columns, history_only=extra)
+
+
 def _load_log(cfg, path):
     files = log_files(cfg.data.path) if cfg.data.path else [dataset_path("kuairand-pure-log")]  # default: real Pure rows
     log = concat_logs([load_kuairand_log(f, columns=LOG_COLUMNS) for f in files])
-    return sequences_from_log(log, load_kuairand_features(kind="user"))
+    seqs = sequences_from_log(log, load_kuairand_features(kind="user"))
+    if cfg.data.history_prefix:
+        name = cfg.data.history_prefix
+        where = dataset_path(name) if name == "kuairand-pure-before" else Path(name)
+        seqs = prefix_history(seqs, read_prefix(where), source=str(where))
+    return seqs
 
 
 register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.csv)", _load_gr, needs_file=False,
                              task="ranking"))
 register_dataset(DatasetSpec("kuairand-rank-log", "KuaiRand log", _load_log, needs_file=False, task="ranking"))
+register_file(DataFile(
+    "kuairand-pure-before", "KuaiRand-Pure per-user sequences before 2022-04-25",
+    ("kuairand/KuaiRand-Pure/data/user_sequences_pure_before_20220425.parquet",),
+    how_to_get="it is derived data (README of $GRF_DATA_DIR/kuairand); or set data.history_prefix to such a file"))
 register_file(DataFile(
     "kuairand-pure-log", "KuaiRand-Pure standard log",
     ("kuairand/KuaiRand-Pure/data/log_standard_pure_20220425_to_20220504.partial.csv",),
