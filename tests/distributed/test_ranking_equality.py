@@ -15,7 +15,6 @@ import json
 import sys
 
 import numpy as np
-import pytest
 
 from ..test_ranking_train import PRESET, TINY
 from .common import final_params, metrics, sets, spawn_ranks, wait_all
@@ -65,10 +64,11 @@ def _final_test(out) -> dict:
     return json.loads((out / "eval.json").read_text())["last_epoch_test"]
 
 
-@pytest.mark.parametrize("extra", [["train.accumulate=2"], ["dist.balance=none"]], ids=["kk-accumulate2", "none"])
-def test_dense_tables_two_ranks_equal_one_process(tmp_path, extra):
-    """Each rank builds only its samples, with the dropout masks and the attention normaliser
-    (the global batch's longest sequence; with accumulation the step's) one process gives them."""
+def test_dense_tables_two_ranks_equal_one_process(tmp_path):
+    """Each rank builds only its samples (dist.balance = kk), with the dropout masks and the
+    attention normaliser (the global batch's longest sequence; with accumulation the step's) one
+    process gives them."""
+    extra = ["train.accumulate=2"]
     one, two = _single(tmp_path / "one", *extra), _ranks(tmp_path / "two", *extra)
     err, leaf = _steps_apart(final_params(two), final_params(one))
     assert err <= STEP_TOL, f"{leaf}: {err:.2e} of one Adam step"
@@ -121,10 +121,12 @@ def test_row_sharded_stale_table_two_ranks_equal_one_process(tmp_path):
     assert abs(again["is_click/auc"] - final["is_click/auc"]) <= 1e-6
 
 
-def test_bf16_two_ranks_follow_one_process(tmp_path):
-    """backend.precision = bf16 through the shared step: the same losses to bf16's rounding (the
-    ranks' partial gradients are rounded before they are summed)."""
-    one, two = _single(tmp_path / "one", "backend.precision=bf16"), _ranks(tmp_path / "two", "backend.precision=bf16")
+def test_bf16_contiguous_shares_two_ranks_follow_one_process(tmp_path):
+    """backend.precision = bf16 through the shared step, with dist.balance = none (contiguous
+    equal-count shares): the same losses to bf16's rounding (the ranks' partial gradients are
+    rounded before they are summed)."""
+    extra = ["backend.precision=bf16", "dist.balance=none"]
+    one, two = _single(tmp_path / "one", *extra), _ranks(tmp_path / "two", *extra)
     _same_losses(_train(two), _train(one), tol=2e-3)
 
 
