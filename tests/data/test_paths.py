@@ -55,7 +55,8 @@ def test_real_layout(real_data_env):
 def test_names_and_labels():
     from gr_functional.data.paths import dataset_names
     assert dataset_names() == ("ml-1m", "ml-20m", "kuairand-sample", "kuairand-27k-lengths", "kuairand-user-features",
-                               "kuairand-video-features", "kuairand-pure-log")
+                               "kuairand-video-features", "kuairand-pure-log", "kuairand-pure-before")
     assert dataset_path("kuairand-pure-log").name == "log_standard_pure_20220425_to_20220504.partial.csv"
+    assert dataset_path("kuairand-pure-before").name == "user_sequences_pure_before_20220425.parquet"
     assert dataset_label("kuairand", "x/log_random_4_22_to_5_08_1k.head_users0-3.csv").endswith("(211-row sample)")
     assert dataset_label("kuairand", "x/log_standard_4_08_to_4_21_pure.csv") == "KuaiRand (log_standard_4_08_to_4_21_pure.csv)"

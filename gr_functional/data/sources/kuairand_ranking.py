@@ -270,11 +270,11 @@ register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.
                              task="ranking"))
 register_dataset(DatasetSpec("kuairand-rank-log", "KuaiRand log", _load_log, needs_file=False, task="ranking"))
 register_file(DataFile(
-    "kuairand-pure-before", "KuaiRand-Pure per-user sequences before 2022-04-25",
-    ("kuairand/KuaiRand-Pure/data/user_sequences_pure_before_20220425.parquet",),
-    how_to_get="it is derived data (README of $GRF_DATA_DIR/kuairand); or set data.history_prefix to such a file"))
-register_file(DataFile(
     "kuairand-pure-log", "KuaiRand-Pure standard log",
     ("kuairand/KuaiRand-Pure/data/log_standard_pure_20220425_to_20220504.partial.csv",),
     how_to_get="copy a KuaiRand-Pure standard log there (https://kuairand.com, zenodo record 10439422), or set "
                "data.path to any official KuaiRand log csv"))
+register_file(DataFile(
+    "kuairand-pure-before", "KuaiRand-Pure per-user sequences before 2022-04-25",
+    ("kuairand/KuaiRand-Pure/data/user_sequences_pure_before_20220425.parquet",),
+    how_to_get="it is derived data (README of $GRF_DATA_DIR/kuairand); or set data.history_prefix to such a file"))
