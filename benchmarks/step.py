@@ -76,7 +76,8 @@ def prepare_step(B, cfg, batch_np):
     fl = flops.train_step_flops(cfg.model, lengths, supervised=supervised, num_params=n_params,
                                  num_negatives=cfg.loss.num_negatives)
     return one, {"tokens": int(lengths.sum()), "sequences": int(len(lengths)), "model_flops": int(fl["total"]),
-                 "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"}, "params": n_params}
+                 "flops_parts": {k: int(v) for k, v in fl.items() if k != "total"}, "params": n_params,
+                 "nvidia_flops": flops.nvidia_step_flops(cfg.model, lengths)}
 
 
 def measure_step(B, cfg, batch_np, repeats: int = 3) -> dict:

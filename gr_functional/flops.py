@@ -102,3 +102,29 @@ def ranking_step_flops(rc, lengths, num_targets) -> dict:
     parts = {k: 3 * v for k, v in forward.items()}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def nvidia_step_flops(mc, lengths, contextual=None, candidates=None) -> int:
+    """FLOPs of one HSTU training step as NVIDIA recsys-examples count them (the field's public MFU
+    reference: ``examples/commons/utils/perf.py``, ``cal_hstu_flops_single_rank``, read at commit
+    7cf4575), on sequences of ``lengths`` tokens with ``contextual`` / ``candidates`` tokens each
+    (default 0: the retrieval HSTU). Per layer and sequence, h = L - c - k history tokens, d the
+    head size (``mc.dqk``; they use one size for q, k and v):
+
+      attention   4 H L (c + h) d - 2 H h^2 d (causal) + 4 H k d, x 3.5 for forward + backward
+      GEMMs       2 L (4 H d) D (uvqk) + 2 L H D ("proj": no d factor), x 3
+      elementwise 2 L H d (u * attention, forward + backward) + L H D (the residual)
+
+    summed over ``mc.num_blocks`` layers; no embeddings, no loss, no optimizer. Against
+    ``train_step_flops`` (ours): their causal attention counts the diagonal once less per cell
+    row and uses 3.5x for the backward (ours 3x), their output projection omits the head size
+    (H D instead of H dv D: it counts less), and they add elementwise terms we leave out."""
+    L = np.asarray(lengths, np.float64)
+    c = np.zeros_like(L) if contextual is None else np.asarray(contextual, np.float64)
+    k = np.zeros_like(L) if candidates is None else np.asarray(candidates, np.float64)
+    h = L - c - k
+    D, H, d = mc.embed_dim, mc.num_heads, mc.dqk
+    attention = (4 * H * L * (c + h) * d - 2 * H * h * h * d + 4 * H * k * d) * 3.5
+    gemm = (2 * L * 4 * H * d * D + 2 * L * H * D) * 3
+    other = 2 * L * H * d + L * H * D
+    return int(round(float(np.sum(attention + gemm + other)) * mc.num_blocks))

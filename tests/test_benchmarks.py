@@ -50,6 +50,7 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     for r in rows:
         assert r["mfu"] > 0 and r["peak_flops"] > 0 and r["model_flops"] > 0
         assert r["model_flops"] == sum(r["flops_parts"].values())
+        assert r["mfu_nvidia"] == r["nvidia_flops"] / r["seconds"] / r["peak_flops"] > 0
     throughput.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), repeats=1)
     rows = _lines(capsys)
     assert len(rows) == 6 and max(r["vs_fastest"] for r in rows) == 1.0  # 2 backends x 3 kernels
@@ -224,6 +225,20 @@ def test_sharded_stream_bench_on_two_ranks():
         assert len(r["peak_rss_mb"]) == 2 and r["peak_rss_mb_max"] == max(r["peak_rss_mb"]) > 0
     assert rows[-1]["occupancy"] == rows[-1]["capacity"] == 600 and rows[-1]["evictions"] > 0
     assert rows[-1]["params"]["table"] == 600 * 16
+
+
+def test_nvidia_flop_count_follows_their_formula():
+    """flops.nvidia_step_flops on a hand-computed case: one layer, L = 4 tokens (1 contextual,
+    2 history, 1 candidate), H = 1, d = 2, D = 3: attention (4*4*3*2 - 2*2*2*2 + 4*1*2) * 3.5 = 308,
+    GEMMs (2*4*4*2*3 + 2*4*3) * 3 = 648, elementwise 2*4*2 + 4*3 = 28."""
+    import types
+
+    from gr_functional.flops import nvidia_step_flops
+
+    mc = types.SimpleNamespace(embed_dim=3, num_heads=1, dqk=2, num_blocks=1)
+    assert nvidia_step_flops(mc, [4], contextual=[1], candidates=[1]) == 308 + 648 + 28
+    mc.num_blocks = 2
+    assert nvidia_step_flops(mc, [4, 4], contextual=[1, 1], candidates=[1, 1]) == 4 * (308 + 648 + 28)
 
 
 def test_ranking_flops_count_gr_ranking_mask():
