@@ -20,8 +20,16 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from .common import emit, machine
+from backends import get_backend
+from gr_functional.cli import _config_path
+from gr_functional.configure import load_config
+from gr_functional.flops import ranking_step_flops
+from gr_functional.ranking.task import RankingTask, param_shapes
+from gr_functional.step import TABLE
+
+from .common import emit, machine, matmul_peak
 
 DEFAULT_CONFIG = "kuairand27k_rank_02b"
 COLUMNS = ["ranks", "steps", "tokens_per_s", "step_s", "mfu", "peak_rss_mb_max", "alltoall_mb_per_step",
@@ -33,15 +41,6 @@ def _lines(path: Path) -> list[dict]:
 
 
 def run(json_lines: bool = False, sets=(), config: str = DEFAULT_CONFIG) -> list[dict]:
-    from backends import get_backend
-    from gr_functional.cli import _config_path
-    from gr_functional.configure import load_config
-    from gr_functional.flops import ranking_step_flops
-    from gr_functional.ranking.task import RankingTask, param_shapes
-    from gr_functional.step import TABLE
-
-    from .common import matmul_peak
-
     path = _config_path(config)
     cfg = load_config(path, list(sets))
     if cfg.model.task != "ranking":
@@ -71,8 +70,6 @@ def run(json_lines: bool = False, sets=(), config: str = DEFAULT_CONFIG) -> list
     counts = samples.candidates(cfg.ranking.num_candidates)
     flops = sum(ranking_step_flops(cfg.ranking, loader.tokens[plan[s - 1]], counts[plan[s - 1]])["total"] for s in window)
     tokens = sum(int(loader.tokens[plan[s - 1]].sum()) for s in window)
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                                 # torchrun gives each rank one thread
     peak = matmul_peak(get_backend("torch"), n=1024) * R

@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import math
 import os
+import resource
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -319,8 +321,5 @@ def check_fits(cfg, data) -> list[Item]:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (bytes; ``getrusage``'s ru_maxrss, KiB on Linux)."""
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -20,8 +20,10 @@ import json
 import math
 import tomllib
 from pathlib import Path
+from .config import Config, migrate
 from .errors import ReportError  # noqa: F401 (re-exported)
 from .log import warn
+from .runlock import is_held
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
@@ -158,8 +160,6 @@ def _stored_config(values: dict) -> dict:
     in their place and the keys added since at the value they meant then (``config.migrate``: the
     listed exceptions, else today's default, since a key is added with a default that keeps what
     runs did), so a key written only by newer runs still tells them apart from older ones."""
-    from .config import Config, migrate
-
     flat = _flatten(migrate(values, stored=True))
     for key, value in _flatten(dataclasses.asdict(Config())).items():
         if key.split(".")[0] in values:                  # sections a run wrote; a plugin's stay as they are
@@ -191,8 +191,6 @@ def load_run(path: str | Path) -> RunFolder:
             config = _stored_config(tomllib.loads((path / "config.toml").read_text()))
         except tomllib.TOMLDecodeError as exc:
             raise ReportError(f"{path / 'config.toml'}: not valid TOML: {exc}") from None
-    from .runlock import is_held
-
     live = is_held(path)
     by_epoch: dict[int, dict] = {}
     rows, cut, n_lines = _read_jsonl(metrics_path)

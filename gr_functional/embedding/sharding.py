@@ -36,10 +36,11 @@ import math
 
 import numpy as np
 
-from ..config import OptimConfig
+from ..config import OptimConfig, replace
 from ..tree import tree_map
 from . import rowopt
 from .hashtable import HashTable, hashed_init, mix64
+from .lookup import EmbeddingHost, dense_init_rows
 
 _OWNER_SALT = np.uint64(0x2545F4914F6CDD1D)
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -495,8 +496,6 @@ def make_sharded(B, cfg, comm, dense_rows=None, dim: int | None = None, num_item
     e = cfg.embedding
     need_rows = e.kind == "dense" or e.init == "dense"
     if need_rows and dense_rows is None:
-        from .lookup import dense_init_rows
-
         dense_rows = dense_init_rows(cfg)
     return ShardedTable(B, comm, kind=e.kind, dim=dim or cfg.model.embed_dim, num_items=num_items or cfg.model.num_items,
                         capacity=e.capacity, seed=cfg.train.seed, policy=e.policy, min_count=e.min_count,
@@ -517,9 +516,6 @@ def assemble_table(cfg, shards: list, dim: int | None = None, num_items: int | N
     evaluation on one process: a dense table indexed by id (host None), or a hash table's rows
     with an ``EmbeddingHost`` whose id map finds them (``retrieval.task.evaluate(host=...)``).
     ``dim`` / ``num_items``: as ``make_sharded``'s."""
-    from ..config import replace
-    from .lookup import EmbeddingHost
-
     D, N = dim or cfg.model.embed_dim, num_items or cfg.model.num_items
     ids, values = assemble(shards, D)
     if cfg.embedding.kind == "dense":

@@ -38,7 +38,7 @@ from ..data.registry import names as dataset_names
 from ..errors import DataError
 from ..data.batching import RankBatch, RankSplit, advance, consecutive_batches
 from ..embedding.lookup import unique_ids
-from ..data.prefetch import Prefetch, PrefetchStats, timed
+from ..data.prefetch import PrefetchStats
 from ..data.sources.kuairand_ranking import SEQUENCE_COLUMNS, RankingSequences
 from .model import kept_history, make_ranking_batch
 from .sparse import batch_keys
@@ -238,6 +238,7 @@ class RankingLoader:
         self.batch_size, self.seed, self.max_tokens = batch_size, seed, int(max_tokens)
         self.position = (0, 0)
         self.tokens = samples.tokens(model_cfg)
+        self.candidates = samples.candidates(model_cfg.num_candidates)   # [S]: a rank share's loss weights
         if self.max_tokens and len(self.tokens) and self.max_tokens < int(self.tokens.max()):
             raise DataError(f"train.max_tokens={self.max_tokens} is smaller than one training sample's "
                             f"{int(self.tokens.max())} tokens; use train.max_tokens >= ranking.max_seq_len="
@@ -272,11 +273,15 @@ class RankingLoader:
                             f"--fresh to start over)")
         self.position = (int(state["epoch"]), int(state["batch"]))
 
-    def _build(self, epoch: int, start: int, pad: bool):
-        for b, pick in enumerate(self.plan(epoch)[start:], start):
-            rng = np.random.default_rng((self.seed, epoch, b))
-            yield b, make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng, pad=pad,
-                                        **self.samples.batch_args(pick))
+    def batch(self, epoch: int, b: int, pad: bool = False):
+        """Batch ``b`` of ``epoch`` (random access; the position does not move)."""
+        pick = self.plan(epoch)[b]
+        rng = np.random.default_rng((self.seed, epoch, b))
+        return make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg, rng, pad=pad,
+                                  **self.samples.batch_args(pick))
+
+    def _moved(self, position) -> None:
+        self.position = position
 
     def rank_share(self, epoch: int, b: int, rank: int, with_ids: bool = False) -> RankBatch:
         """Rank ``rank``'s share of batch ``b`` of ``epoch`` (``split.assign`` on the samples' tokens):
@@ -303,7 +308,7 @@ class RankingLoader:
             whole = make_ranking_batch(self.seqs, self.samples.users[pick], self.model_cfg,
                                        **self.samples.batch_args(pick))
             step_ids = unique_ids(batch_keys(whole))
-        cands = self.samples.candidates(self.model_cfg.num_candidates)[pick]
+        cands = self.candidates[pick]
         R = self.split.world_size
         return RankBatch(batch, float(cands.sum()), float(cands[mine].sum()),
                          np.bincount(assign, weights=tok, minlength=R).astype(np.int64),
@@ -315,25 +320,13 @@ class RankingLoader:
         """This rank's ``rank_share`` of each batch of ``epoch`` from ``start``, as
         ``data.batching.TrainLoader.rank_epoch`` yields them (``group``, ``finish``, ``limit``,
         ``pairs``); shapes are exact (torch ranks; ``capacity`` is accepted for that interface)."""
-        def moved(position):
-            self.position = position
-
         return advance(len(self.plan(epoch)), epoch, start, lambda b: self.rank_share(epoch, b, rank, with_ids),
-                       moved, prefetch, stats, group, finish, limit, pairs)
+                       self._moved, prefetch, stats, group, finish, limit, pairs)
 
     def epoch(self, epoch: int, start: int = 0, prefetch: int = 0, stats: PrefetchStats | None = None,
               pad: bool = False):
         """The batches of ``epoch`` from batch ``start``, built ``prefetch`` ahead on a thread
         (bitwise the synchronous batches); ``position`` advances as each is handed out. ``pad``:
         shapes padded to capacities (``make_ranking_batch``; ``Backend.static_shapes``)."""
-        items = self._build(epoch, start, pad)
-        source = Prefetch(items, prefetch, stats) if prefetch else timed(items, stats)
-        try:
-            steps = len(self.plan(epoch))
-            for b, batch in source:
-                done = b + 1 == steps
-                self.position = (epoch + 1, 0) if done else (epoch, b + 1)
-                yield batch
-        finally:
-            if prefetch:
-                source.close()
+        return advance(len(self.plan(epoch)), epoch, start, lambda b: self.batch(epoch, b, pad), self._moved,
+                       prefetch, stats)

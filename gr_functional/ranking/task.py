@@ -36,10 +36,12 @@ import numpy as np
 from ..config import Config, ModelConfig
 from ..data.batching import RankSplit
 from ..data.prefetch import PrefetchStats
+from ..embedding.lookup import EmbeddingHost
 from ..embedding.sharding import assemble_table, gathered_view, make_sharded
 from ..errors import ConfigError, Diverged
 from ..execution import BatchIds, RankSteps, lookup_record, step_groups
 from ..hooks import Evaluation, Run, StepResult
+from ..memory import ENV_LIMIT, available_bytes
 from ..report import RANKING_SELECT
 from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
@@ -47,7 +49,8 @@ from ..step import TABLE, Objective, make_train_step
 from . import sparse
 from .data import RankingLoader, split_samples, fingerprint, load_ranking_data
 from .heads import multitask_loss
-from .model import TASKS, evaluate_ranking, init_ranking_params, ranking_logits, ranking_param_shapes, table_plan
+from .model import (TASKS, _feature_sizes, evaluate_ranking, init_ranking_params, ranking_logits,
+                    ranking_param_shapes, table_plan)
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
@@ -95,8 +98,6 @@ def make_host(cfg: Config):
     merged table's rows (ranking/sparse.py)."""
     if not sparse.hashed(cfg):
         return None
-    from ..embedding.lookup import EmbeddingHost
-
     return EmbeddingHost(cfg, **table_size(cfg))
 
 
@@ -233,9 +234,6 @@ def check_ranking_fits(cfg: Config) -> int:
     > 1 and 4 B for bf16 / fp16's 16-bit copies of the parameters and their gradients, exceed the
     available memory; returns that byte count. Activations are left out (small at these widths
     next to the tables)."""
-    from ..memory import ENV_LIMIT, available_bytes
-    from .model import _feature_sizes
-
     mc = cfg.ranking
     shapes = param_shapes(cfg)
     per_param = 16 + 4 * (cfg.train.accumulate > 1) + 4 * (cfg.backend.precision != "fp32")
