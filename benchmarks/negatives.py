@@ -1,15 +1,21 @@
-"""``grf bench negatives [--config C] [--backend torch,jax] [--json]``: training-step time of GR's
-sampled softmax (R private uniform negatives per position) against shared pools of negatives
-(``loss.name = "shared_pool"``: one pool per batch, one ``[T, D] x [D, R]`` product) and against
-16-bit negatives (``loss.negatives_precision``), on the config's real batches.
+"""``grf bench negatives [--config C] [--backend torch,jax] [--json]``: training-step time and
+memory of every way the project scores negatives, on the config's real batches: GR's sampled softmax
+(R private uniform negatives per position; 128 is GR's recipe, 512-2,048 the wide variants), shared
+pools (``shared_pool``: one pool per batch, one ``[T, D] x [D, R]`` product, logQ), the mixed pool
+(``mixed_pool``: in-batch positives plus a uniform pool), the full-catalogue softmax
+(``full_softmax``), and 16-bit negatives (``loss.negatives_precision``).
 
 Each variant trains ``steps`` steps (after ``warmup``) from the same initial parameters on the
 same users; rows report the median step seconds, tokens/s and ``vs_sampled`` (this variant's
-tokens/s over the sampled softmax's, measured in the same run) and ``negative_bytes``: the bytes
-of the negative rows the loss reads per step (``[T, R, D]`` private or ``[R, D]`` pooled values at 4
+tokens/s over GR's recipe's, measured in the same run), ``negative_bytes``: the bytes of the
+negative rows the loss reads per step (``[T, R, D]`` private or ``[R, D]`` pooled values at 4
 or 2 bytes each, plus a 4-byte scale per sequence or per pool when 16-bit), mean over the timed
-steps. Quality is a training run's
-business: docs/guides/negatives-and-overlap.md "Negatives" has the HR@10 of each variant with the commands.
+steps, and ``step_peak_mb``: the resident memory the timed steps added on top of what the
+process held before them (Linux: free heap returned with ``malloc_trim`` and the peak reset through
+``/proc/self/clear_refs`` before each variant, then ``VmHWM - VmRSS``; ``None`` where that is not
+available). A variant whose R exceeds the catalogue is run with R = N (the config check refuses more).
+Quality is a training run's business: docs/guides/wide-negatives.md has the HR@10 of each with the
+commands.
 """
 from __future__ import annotations
 
@@ -19,12 +25,44 @@ import time
 from .common import backends_for, device_label, emit, machine
 
 COLUMNS = ["backend", "device", "config", "loss", "negatives", "sampler", "precision", "negative_bytes", "tokens",
-           "seconds", "tokens_per_s", "vs_sampled"]
+           "seconds", "tokens_per_s", "vs_sampled", "step_peak_mb"]
 # (loss.name, num_negatives, sampler, negatives_precision): GR's recipe first (the reference of vs_sampled)
 VARIANTS = (("sampled_softmax", 128, "uniform", "fp32"), ("sampled_softmax", 128, "uniform", "fp16"),
+            ("sampled_softmax", 512, "uniform", "fp32"), ("sampled_softmax", 2048, "uniform", "fp32"),
             ("shared_pool", 512, "uniform", "fp32"), ("shared_pool", 1024, "uniform", "fp32"),
             ("shared_pool", 1024, "uniform", "fp16"), ("shared_pool", 2048, "uniform", "fp32"),
-            ("shared_pool", 1024, "popularity", "fp32"))
+            ("shared_pool", 4096, "uniform", "fp32"), ("shared_pool", 1024, "popularity", "fp32"),
+            ("mixed_pool", 1024, "uniform", "fp32"), ("full_softmax", 0, "uniform", "fp32"))
+BATCH_NEGATIVES = 128  # mixed_pool's in-batch positives (loss.batch_negatives' default)
+
+
+def _memory_probe():
+    """``(start, added)``: ``start()`` returns free heap to the OS and resets the peak resident
+    set; ``added()`` is the MB the peak then rose above the resident set at ``start``. Both no-ops
+    (``added`` None) where Linux's /proc or glibc is missing."""
+    import ctypes
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))  # KiB
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        status("VmHWM")
+    except (OSError, AttributeError, StopIteration):
+        return (lambda: None), (lambda: None)
+    base = {}
+
+    def start():
+        import gc
+
+        gc.collect()
+        trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident set
+        base["rss"] = status("VmRSS")
+
+    return start, (lambda: (status("VmHWM") - base["rss"]) / 1024.0)
 
 
 def negative_bytes(batch, embed_dim: int, precision: str) -> int:
@@ -52,15 +90,18 @@ def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, st
     exp = grf.prepare(cfg)
     n_items = exp.cfg.model.num_items
     host, rows = machine(), []
+    start, added = _memory_probe()
     for label, B in backends_for(exp.cfg, backends):
         for name, count, sampler, precision in variants:
-            vcfg = replace(exp.cfg, loss={"name": name, "num_negatives": min(count, n_items), "sampler": sampler,
-                                          "negatives_precision": precision})
+            count = n_items if name == "full_softmax" else min(count, n_items)
+            vcfg = replace(exp.cfg, loss={"name": name, "num_negatives": count, "sampler": sampler,
+                                          "negatives_precision": precision, "batch_negatives": BATCH_NEGATIVES})
             loader = TrainLoader.from_config(exp.splits.train, vcfg)
             step_fn = make_train_step(B, vcfg)
             params = B.asarray_tree(exp.init_params())
             opt_state = init_opt_state(B, params, vcfg)
             times, tokens, payload = [], 0, 0
+            start()
             for i, batch in enumerate(loader.epoch(0)):
                 if i == warmup + steps:
                     break
@@ -73,10 +114,12 @@ def run(json_lines: bool = False, cfg=None, backends=None, variants=VARIANTS, st
                     payload += negative_bytes(batch, vcfg.model.embed_dim, precision)
             seconds = statistics.median(times)
             rows.append({"bench": "negatives", "backend": label, "device": device_label(B),
-                         "config": exp.cfg.data.dataset, "loss": name, "negatives": min(count, n_items),
+                         "config": exp.cfg.data.dataset, "loss": name,
+                         "negatives": count + (BATCH_NEGATIVES if name == "mixed_pool" else 0),
                          "sampler": sampler, "precision": precision, "negative_bytes": payload / len(times),
                          "tokens": tokens / len(times), "seconds": seconds,
-                         "tokens_per_s": tokens / len(times) / seconds, **host})
+                         "tokens_per_s": tokens / len(times) / seconds, "step_peak_mb": added(), **host})
+            del params, opt_state, step_fn, loader
     for row in rows:
         ref = [r for r in rows if r["backend"] == row["backend"] and r["loss"] == "sampled_softmax"
                and r["precision"] == "fp32"]

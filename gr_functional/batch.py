@@ -15,7 +15,7 @@ from .jagged import Jagged, JaggedError
 
 _INT32_MAX = np.iinfo(np.int32).max
 
-NegativeKind = Literal["sampled", "in_batch", "pool", "none"]
+NegativeKind = Literal["sampled", "in_batch", "pool", "mixed", "catalogue", "none"]
 NegativeSampler = Literal["uniform", "popularity"]
 
 
@@ -29,9 +29,13 @@ class Negatives:
       "pool"      shared_negatives[count] int32, ``count`` ids drawn with replacement from the
                   sampler's distribution q over 1..N, shared by every position, and
                   shared_logq[count] float32 = log(count * q(id)) (the sampled-softmax correction)
+      "mixed"     shared_negatives[batch_count + count] int32: ``batch_count`` in-batch draws (as
+                  "in_batch") then ``count`` pool draws (as "pool"), and shared_logq = log of each
+                  id's expected count in that pool, log(batch_count p_batch(id) + count q(id))
+      "catalogue" shared_negatives[N] int32 = 1..N, every item (the full softmax; ``count`` unused)
       "none"      neither
 
-    ``sampler`` ("pool" only): "uniform" (q = 1/N) or "popularity" (q proportional to
+    ``sampler`` ("pool" and "mixed"): "uniform" (q = 1/N) or "popularity" (q proportional to
     ``popularity ** alpha``, where ``popularity[N+1]`` counts each id's training events; ids never
     seen are never drawn).
     """
@@ -41,9 +45,10 @@ class Negatives:
     sampler: NegativeSampler = "uniform"
     alpha: float = 1.0
     popularity: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    batch_count: int = 0
 
     def __post_init__(self):
-        if self.kind == "pool" and self.sampler == "popularity":
+        if self.kind in ("pool", "mixed") and self.sampler == "popularity":
             if self.popularity is None:
                 raise ValueError("Negatives(sampler='popularity') needs popularity[N+1] (events per id)")
             weights = np.asarray(self.popularity, dtype=np.float64) ** self.alpha
@@ -55,16 +60,45 @@ class Negatives:
 
     def draw_pool(self, rng: np.random.Generator, num_items: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids[count] int32, logq[count] float32)``: one pool, ``logq = log(count * q(id))``."""
-        R = self.count
+        ids = self._draw(rng, num_items)
         if self.sampler == "uniform":
-            ids = rng.integers(1, num_items + 1, size=R, dtype=np.int32)
-            return ids, np.full(R, np.log(R / num_items), dtype=np.float32)
+            return ids, np.full(self.count, np.log(self.count / num_items), dtype=np.float32)
+        return ids, np.log(self.count * self.q(ids, num_items)).astype(np.float32)
+
+    def _draw(self, rng: np.random.Generator, num_items: int) -> np.ndarray:
+        if self.sampler == "uniform":
+            return rng.integers(1, num_items + 1, size=self.count, dtype=np.int32)
+        self._check_covers(num_items)
         cdf = self._cdf
-        if len(cdf) != num_items + 1:
-            raise ValueError(f"popularity covers ids 0..{len(cdf) - 1} but the data has {num_items} items")
-        ids = np.minimum(np.searchsorted(cdf, rng.random(R) * cdf[-1], side="right"), num_items)
-        q = (cdf[ids] - cdf[ids - 1]) / cdf[-1]
-        return ids.astype(np.int32), np.log(R * q).astype(np.float32)
+        return np.minimum(np.searchsorted(cdf, rng.random(self.count) * cdf[-1], side="right"),
+                          num_items).astype(np.int32)
+
+    def _check_covers(self, num_items: int) -> None:
+        if len(self._cdf) != num_items + 1:
+            raise ValueError(f"popularity covers ids 0..{len(self._cdf) - 1} but the data has {num_items} items")
+
+    def q(self, ids: np.ndarray, num_items: int) -> np.ndarray:
+        """float64 ``[len(ids)]``: the sampler's probability of each id (1..N)."""
+        if self.sampler == "uniform":
+            return np.full(len(ids), 1.0 / num_items)
+        self._check_covers(num_items)
+        cdf = self._cdf
+        return (cdf[ids] - cdf[ids - 1]) / cdf[-1]
+
+    def draw_mixed(self, rng: np.random.Generator, num_items: int, supervised: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids[batch_count + count] int32, logq float32)``: ``batch_count`` draws from the
+        batch's targets ``supervised[S]`` (padding ids 0, masked by the loss, when S = 0) then
+        ``count`` from the sampler; ``logq = log(batch_count p_batch(id) + count q(id))``, the
+        id's expected count in the pool (for an id either part can draw, both terms)."""
+        in_batch = np.zeros(self.batch_count, dtype=np.int32)
+        if supervised.size:
+            in_batch[:] = supervised[rng.integers(0, supervised.size, size=self.batch_count)]
+        ids = np.concatenate([in_batch, self._draw(rng, num_items)])
+        seen = np.bincount(supervised, minlength=num_items + 1).astype(np.float64)
+        p_batch = seen[ids] / max(supervised.size, 1)
+        expected = self.batch_count * p_batch + self.count * self.q(np.maximum(ids, 1), num_items)
+        return ids, np.log(np.where(ids > 0, expected, 1.0)).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +113,10 @@ class HSTUBatch:
       negatives   [T, R] int32 sampled negative ids, or None (evaluation; losses without them)
       input_keep  [T, D] float dropout keep-mask already scaled by 1/(1-p), or None (no dropout)
       block_keep  [N_blocks, T, H*dv] float, likewise for each block's output dropout, or None
-      shared_negatives  [R] int32 negatives shared by every position ("in_batch" and "pool"
-                  losses), or None; not per-token: a rank's slice of a global batch keeps all of them
-      shared_logq [R] float32 log(R * q(id)) of each pooled negative ("pool" losses), or None
+      shared_negatives  [R] int32 negatives shared by every position ("in_batch", "pool",
+                  "mixed" and "catalogue" losses), or None; not per-token: a rank's slice of a global batch keeps all of them
+      shared_logq [R] float32 log of each pooled negative's expected count in the pool, R q(id)
+                  ("pool" and "mixed" losses), or None
       lookup      embedding.lookup.Lookup or None: with a row-sparse embedding optimizer, the
                   table rows this step reads; every id above is then a local index into them
     """
@@ -186,6 +221,10 @@ def make_batch(histories: Sequence[np.ndarray], times: Sequence[np.ndarray], cfg
                 shared[:] = supervised[rng.integers(0, supervised.size, size=negatives.count)]
         elif negatives.kind == "pool":
             shared, shared_logq = negatives.draw_pool(rng, n_items)
+        elif negatives.kind == "mixed":
+            shared, shared_logq = negatives.draw_mixed(rng, n_items, tgt[tgt > 0])
+        elif negatives.kind == "catalogue":  # nothing drawn: the rng stream stays that of the other kinds
+            shared = np.arange(1, n_items + 1, dtype=np.int32)
         input_keep = _dropout_keep(rng, (T, cfg.embed_dim), cfg.input_dropout, real)
         if cfg.linear_dropout > 0:
             block_keep = np.stack([_dropout_keep(rng, (T, cfg.num_heads * cfg.dv), cfg.linear_dropout, real)

@@ -180,7 +180,8 @@ class LossConfig:
     """The training loss (gr_functional/losses.py): ``name`` is a registered loss; the shipped
     ones are "sampled_softmax" (GR's: each position's target against num_negatives uniformly
     sampled items), "in_batch" (the batch's other targets as negatives, TurboGR's shared
-    logits) and "shared_pool" (one pool of sampled negatives per batch, shared logits, logQ). Losses registered from a script (``@losses.register``, ``grf train --plugin``) read
+    logits), "shared_pool" (one pool of sampled negatives per batch, shared logits, logQ),
+    "mixed_pool" (that pool plus in-batch positives) and "full_softmax" (every item). Losses registered from a script (``@losses.register``, ``grf train --plugin``) read
     the same keys."""
 
     name: str = "sampled_softmax"
@@ -195,6 +196,10 @@ class LossConfig:
     sampler: NegativeSamplerName = "uniform"
     popularity_alpha: float = _range(1.0, ge=0.0)
     logq: bool = True
+    # "mixed_pool" only: this many targets of the batch (in-batch positives, drawn with
+    # replacement) join the num_negatives sampled ones in the shared pool; logq then corrects each
+    # id by its expected count under the mixture (Yang et al. 2020, mixed negative sampling).
+    batch_negatives: int = _range(128, ge=1)
     # The negative item embeddings the loss reads, as 16-bit values with one fp32 scale per jagged
     # segment (TurboGR's jaggedness-aware FP16 negatives): "fp16" | "bf16" round each user
     # sequence's negative rows divided by that sequence's largest |value| (a shared pool is one

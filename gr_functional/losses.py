@@ -15,6 +15,9 @@ every rank sees the same ones):
               (global) batch, drawn uniformly with replacement and shared by every position
   "pool"      batch.shared_negatives[R] int32 drawn from ``loss.sampler`` (uniform or
               popularity ** alpha) and batch.shared_logq[R] = log(R q(id)), shared by every position
+  "mixed"     batch.shared_negatives[Rb + R] int32: Rb (``loss.batch_negatives``) in-batch draws
+              then a pool of R, and batch.shared_logq = log of each id's expected count in it
+  "catalogue" batch.shared_negatives[N] int32: every item id 1..N (the full softmax)
   "none"      neither
 
 A new loss is one function and one ``register`` call, from any module (an experiment script, or
@@ -99,15 +102,16 @@ def negatives_for(cfg: Config, popularity=None) -> Negatives:
     events per id) is needed by ``loss.sampler = "popularity"``."""
     lc = cfg.loss
     kind = get(lc.name).negatives
-    if lc.sampler != "uniform" and kind != "pool":
+    if lc.sampler != "uniform" and kind not in ("pool", "mixed"):
         raise ConfigError(f"loss.sampler={lc.sampler!r} draws a shared pool, but loss {lc.name!r} takes "
                           f"{kind!r} negatives; use loss.name='shared_pool' (or a loss registered with "
                           f"negatives='pool'), or loss.sampler='uniform'")
-    if kind == "pool" and lc.sampler == "popularity" and popularity is None:
+    pooled = kind in ("pool", "mixed") and lc.sampler == "popularity"
+    if pooled and popularity is None:
         raise ConfigError("loss.sampler='popularity' needs the training data's item counts; "
                           "this caller passed none")
-    return Negatives(kind, lc.num_negatives, lc.sampler, lc.popularity_alpha,
-                     popularity if kind == "pool" and lc.sampler == "popularity" else None)
+    return Negatives(kind, lc.num_negatives, lc.sampler, lc.popularity_alpha, popularity if pooled else None,
+                     batch_count=lc.batch_negatives if kind == "mixed" else 0)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -220,4 +224,24 @@ def shared_pool(B, user, items, batch: HSTUBatch, cfg):
     and one ``[T, D] x [D, R]`` matmul, instead of GR's R private negatives per position (R row
     gathers per token). With ``loss.logq`` each negative's logit is corrected by
     ``-log(R q(id))`` (``batch.shared_logq``), so the pool's softmax estimates the full softmax."""
+    return shared_softmax(B, user, items, batch, cfg, batch.shared_logq if cfg.logq else None)
+
+
+@register("full_softmax", negatives="catalogue")
+def full_softmax(B, user, items, batch: HSTUBatch, cfg):
+    """Softmax cross-entropy over the whole catalogue: each position's target against every
+    other item (``batch.shared_negatives`` = 1..N, the target itself masked out of the negatives
+    and counted once as the positive), logits cosine / temperature. No sampling, so no bias to
+    correct; the cost is a ``[T, D] x [D, N]`` product (``B.shared_logsumexp``: torch never holds
+    the whole ``[T, N]`` logits). ``loss.num_negatives`` is not read."""
+    return shared_softmax(B, user, items, batch, cfg)
+
+
+@register("mixed_pool", negatives="mixed")
+def mixed_pool(B, user, items, batch: HSTUBatch, cfg):
+    """Mixed negative sampling (Yang et al., WWW 2020): ``loss.batch_negatives`` targets of the
+    batch (in-batch positives: popular items, hard for the model) plus a pool of
+    ``loss.num_negatives`` drawn from ``loss.sampler`` (the long tail in-batch draws miss), shared by
+    every position. With ``loss.logq`` each negative's logit is corrected by the log of its
+    expected count in that pool (``batch.shared_logq``)."""
     return shared_softmax(B, user, items, batch, cfg, batch.shared_logq if cfg.logq else None)

@@ -151,6 +151,10 @@ def estimate(cfg, data) -> list[Item]:
     f = 8 if cfg.backend.dtype == "float64" else 4
     N, D, R, H, L, nb = m.num_items, m.embed_dim, cfg.loss.num_negatives, m.num_heads, m.max_len, m.num_blocks
     kind = get_loss(cfg.loss.name).negatives
+    if kind == "catalogue":  # every item is a negative; loss.num_negatives is not read
+        R = N
+    elif kind == "mixed":
+        R += cfg.loss.batch_negatives
     B, Be = t.batch_size, cfg.eval.batch_size
     T = token_capacity(cfg, data)
     P = param_count(cfg)
@@ -203,7 +207,7 @@ def estimate(cfg, data) -> list[Item]:
         else:
             items.append(Item("sampled-softmax logits (gathered rows)", rows * R * D * f * 4, "loss.num_negatives",
                               f"{rows:,} rows x {R:,} negatives x D={D} x {f} B x 4", negs, "step", dev))
-    elif kind in ("in_batch", "pool"):  # one [T, R] logit matrix (forward, its gradient, the mask)
+    elif kind in ("in_batch", "pool", "mixed", "catalogue"):  # one [T, R] logit matrix (forward, its gradient, the mask)
         items.append(Item("shared-negative logits", T * R * f * 3, "loss.num_negatives",
                           f"T={T:,} tokens x {R:,} shared negatives x {f} B x 3", negs, "step", dev))
     items.append(Item("attention scores", nb * B * H * L * L * f * 4, "train.batch_size",
@@ -280,7 +284,7 @@ def check_negatives(cfg) -> None:
     """``loss.num_negatives`` must not exceed the items negatives are drawn from (ids
     1..``model.num_items``): more only repeats items, and the [T, R] buffers grow without bound."""
     R, N = cfg.loss.num_negatives, cfg.model.num_items
-    if N > 0 and R > N and get_loss(cfg.loss.name).negatives != "none":
+    if N > 0 and R > N and get_loss(cfg.loss.name).negatives not in ("none", "catalogue"):
         raise ConfigError(f"loss.num_negatives={R} is more than the {N:,} items negatives are sampled from "
                           f"(model.num_items={N}: ids 1..{N:,}); sampling more negatives than the catalogue "
                           f"holds only repeats items. Set loss.num_negatives <= {N:,} (GR uses 128)")

@@ -92,11 +92,13 @@ class RunFolder:
         return SELECT_METRIC if SELECT_METRIC in valid or not valid else valid[0]
 
     def selected(self) -> dict | None:
-        """``{"epoch", metric: test value...}`` of the selected epoch, None before any evaluation."""
+        """``{"epoch", "valid_" + select_metric: its value, metric: test value...}`` of the
+        selected epoch, None before any evaluation."""
         record = select_epoch(self.evals, self.select_metric)
         if record is None or "test" not in record:
             return None
-        return {"epoch": record["epoch"], **record["test"]}
+        return {"epoch": record["epoch"], f"valid_{self.select_metric}": record["valid"][self.select_metric],
+                **record["test"]}
 
 
 def select_epoch(records: list, metric: str = SELECT_METRIC) -> dict | None:
@@ -314,12 +316,13 @@ def summary_rows(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False)
                "status": "; ".join(sorted({_status(r) for r in members})),
                **{k: members[0].config.get(k) for k in keys}}
         if chosen:
+            valid = f"valid_{members[0].select_metric}"  # the selecting value: a grid is chosen on it
             if group_seeds and len(members) > 1:
                 row["epoch"] = [s["epoch"] for _, s in chosen]
-                row.update({m: _mean_std([s[m] for _, s in chosen]) for m in metrics})
+                row.update({m: _mean_std([s[m] for _, s in chosen]) for m in (valid, *metrics)})
             else:
                 row["epoch"] = chosen[0][1]["epoch"]
-                row.update({m: chosen[0][1].get(m) for m in metrics})
+                row.update({m: chosen[0][1].get(m) for m in (valid, *metrics)})
         row["wall_s"] = sum(r.wall_seconds for r in members) / len(members)  # per run
         row["trained_at"] = ", ".join(dict.fromkeys(c for r in members for c in r.commits))
         rows.append(row)

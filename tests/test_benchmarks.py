@@ -159,7 +159,8 @@ def test_negatives_bench_json(capsys):
     sets = ["data.synthetic_users=120", "data.synthetic_max_events=30", "model.max_len=16", "model.embed_dim=16",
             "model.dqk=8", "model.dv=8", "train.batch_size=16"]
     variants = (("sampled_softmax", 8, "uniform", "fp32"), ("sampled_softmax", 8, "uniform", "fp16"),
-                ("shared_pool", 32, "uniform", "fp32"), ("shared_pool", 32, "popularity", "bf16"))
+                ("shared_pool", 32, "uniform", "fp32"), ("shared_pool", 32, "popularity", "bf16"),
+                ("mixed_pool", 32, "uniform", "fp32"), ("full_softmax", 0, "uniform", "fp32"))
     rows = negatives.run(json_lines=True, cfg=load_config(None, sets), backends=["torch"], variants=variants,
                          steps=2, warmup=1)
     assert _lines(capsys) == json.loads(json.dumps(rows))
@@ -169,6 +170,9 @@ def test_negatives_bench_json(capsys):
     assert private == rows[0]["tokens"] * 8 * 16 * 4
     assert private / 2 < rows[1]["negative_bytes"] <= private / 2 + 4 * 16    # + a scale per sequence
     assert rows[2]["negative_bytes"] == 32 * 16 * 4 and rows[3]["negative_bytes"] == 32 * 16 * 2 + 4
+    n_items = rows[5]["negatives"]                                          # the whole catalogue
+    assert rows[4]["negatives"] == 32 + negatives.BATCH_NEGATIVES and rows[5]["negative_bytes"] == n_items * 16 * 4
+    assert all(r["step_peak_mb"] is None or r["step_peak_mb"] >= 0 for r in rows)
 
 
 def test_ranking_bench_json(capsys):

@@ -29,7 +29,7 @@ def _write_run(path, seed=42, blocks=2, evals=(), epochs=10, finished=True, extr
 
 def test_selected_epoch_is_the_best_validation_hr10_first_of_equals(tmp_path):
     run = report.load_run(_write_run(tmp_path / "a", evals=[(4, .2, .1), (9, .3, .25), (14, .3, .4), (19, .25, .5)]))
-    assert run.selected() == {"epoch": 9, "hr@10": .25, "ndcg@10": .125}
+    assert run.selected() == {"epoch": 9, "valid_hr@10": .3, "hr@10": .25, "ndcg@10": .125}
     assert run.finished and run.wall_seconds == 240.0 and run.epochs_done == 20
 
 

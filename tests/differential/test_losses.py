@@ -24,7 +24,9 @@ CFG = ModelConfig(num_items=N_ITEMS, embed_dim=16, num_blocks=1, num_heads=2, dq
 CASES = [("sampled_softmax", "sampled", "uniform", "fp32"), ("in_batch", "in_batch", "uniform", "fp32"),
          ("shared_pool", "pool", "uniform", "fp32"), ("shared_pool", "pool", "popularity", "fp32"),
          ("sampled_softmax", "sampled", "uniform", "fp16"), ("sampled_softmax", "sampled", "uniform", "bf16"),
-         ("shared_pool", "pool", "popularity", "fp16"), ("in_batch", "in_batch", "uniform", "bf16")]
+         ("shared_pool", "pool", "popularity", "fp16"), ("in_batch", "in_batch", "uniform", "bf16"),
+         ("full_softmax", "catalogue", "uniform", "fp32"), ("full_softmax", "catalogue", "uniform", "bf16"),
+         ("mixed_pool", "mixed", "uniform", "fp32"), ("mixed_pool", "mixed", "popularity", "bf16")]
 # skewed and with holes: ids 1..11 are frequent, 12..N_ITEMS rare, every 5th never seen
 POPULARITY = np.where(np.arange(N_ITEMS + 1) % 5 == 0, 0, np.where(np.arange(N_ITEMS + 1) < 12, 50, 1))
 
@@ -36,7 +38,8 @@ def _batch(kind: str, count: int, seed: int = 0, events=(5, MAX_LEN + 1, 2, 9), 
     times = [np.cumsum(rng.integers(0, 10**5, n)) + 10**9 for n in events]
     return make_batch(histories, times, CFG, rng=rng, num_items=N_ITEMS, b_cap=6,
                       negatives=Negatives(kind, count, sampler, 0.75,
-                                          POPULARITY if sampler == "popularity" else None))
+                                          POPULARITY if sampler == "popularity" else None,
+                                          batch_count=count // 2 if kind == "mixed" else 0))
 
 
 def _normalise(x):
@@ -81,7 +84,7 @@ def _oracle(name: str, user, items, batch, precision: str = "fp32", shift=None) 
         shared = np.asarray(batch.shared_negatives)
         neg = user @ rows.T / TAU
         masked = (shared[None, :] == t[:, None]) | (shared[None, :] == 0)
-        if name == "shared_pool":  # logQ: -log(R q(id)), q from the sampler's own definition
+        if name in ("shared_pool", "mixed_pool"):  # logQ: -log(expected count), from the sampler's definition
             neg = neg - np.asarray(batch.shared_logq, np.float64)[None, :]
     neg = np.where(masked, -5e4, neg)
     logits = np.concatenate([pos[:, None], neg], axis=1)
@@ -147,6 +150,24 @@ def test_segment_scales_are_each_sequences_largest_negative_value(backend, extra
     np.testing.assert_array_equal(got, want)
 
 
+def test_full_softmax_is_cross_entropy_over_every_item(backend):
+    """The catalogue loss is the textbook softmax cross-entropy over ids 1..N (the target counted
+    once), computed here without the shared-pool masking it is built from."""
+    batch = _batch("catalogue", 0)
+    np.testing.assert_array_equal(batch.shared_negatives, np.arange(1, N_ITEMS + 1))
+    rng = np.random.default_rng(5)
+    user = _normalise(rng.standard_normal((batch.layout.t_cap, D)))
+    items = _normalise(rng.standard_normal((N_ITEMS + 1, D)))
+    cfg = LossConfig(name="full_softmax", temperature=TAU)
+    got = losses.get("full_softmax").fn(backend, backend.asarray(user.astype(np.float32)),
+                                        backend.asarray(items.astype(np.float32)), backend.asarray_tree(batch), cfg)
+    t, w = np.asarray(batch.targets), np.asarray(batch.weights, np.float64)
+    logits = user @ items[1:].T / TAU                                                     # [T, N]
+    m = logits.max(1)
+    nll = np.log(np.exp(logits - m[:, None]).sum(1)) + m - logits[np.arange(len(t)), np.maximum(t - 1, 0)]
+    assert rel_err(backend.to_numpy(got), float((nll * w).sum() / w.sum())) < FWD_TOL
+
+
 def test_in_batch_negatives_are_targets_of_the_batch():
     batch = _batch("in_batch", 40)
     t = np.asarray(batch.targets)
@@ -174,6 +195,24 @@ def test_popularity_pool_draws_from_popularity_to_the_alpha(alpha):
     uniform_ids, uniform_logq = Negatives("pool", 64).draw_pool(np.random.default_rng(0), N_ITEMS)
     assert uniform_ids.min() >= 1 and uniform_ids.max() <= N_ITEMS
     np.testing.assert_allclose(uniform_logq, np.log(64 / N_ITEMS), rtol=1e-6)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "popularity"])
+def test_mixed_pool_logq_is_each_ids_expected_count(sampler):
+    """The mixed pool (in-batch draws, then the sampler's): over many draws each id's mean count
+    in the pool is exp(shared_logq), for ids both parts can draw alike."""
+    supervised = np.array([3, 3, 3, 7, 12, 40], dtype=np.int32)
+    neg = Negatives("mixed", 6, sampler, 0.5, POPULARITY if sampler == "popularity" else None, batch_count=4)
+    rng, counts, trials = np.random.default_rng(0), np.zeros(N_ITEMS + 1), 40_000
+    for _ in range(trials):
+        ids, logq = neg.draw_mixed(rng, N_ITEMS, supervised)
+        counts += np.bincount(ids, minlength=N_ITEMS + 1)
+    expected = np.zeros(N_ITEMS + 1)
+    expected[ids] = np.exp(logq)                     # the last draw names its ids' expectations
+    assert (ids[:4] > 0).all() and set(ids[:4].tolist()) <= set(supervised.tolist())
+    for i in set(ids.tolist()):
+        sd = np.sqrt(expected[i] / trials)
+        assert abs(counts[i] / trials - expected[i]) < 6 * sd + 1e-3, (i, counts[i] / trials, expected[i])
 
 
 def test_a_pool_sampler_with_a_loss_that_draws_no_pool_is_refused():
