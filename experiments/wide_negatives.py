@@ -34,6 +34,19 @@ GRID = {
     "full-t03": ["loss.name=full_softmax", "loss.temperature=0.03"],
     "full-t05": ["loss.name=full_softmax", "loss.temperature=0.05"],
     "full-t10": ["loss.name=full_softmax", "loss.temperature=0.1"],
+    "full-t20": ["loss.name=full_softmax", "loss.temperature=0.2"],
+    "gr-t10": ["loss.temperature=0.1"],
+    "sampled-512-t10": ["loss.num_negatives=512", "loss.temperature=0.1"],
+    "full-t07": ["loss.name=full_softmax", "loss.temperature=0.07"],
+    # beyond negatives: the optimiser's pace (at 20 epochs GR's recipe is still climbing)
+    "gr-lr2": ["optim.lr=2e-3"],
+    "full-t10-lr2": ["loss.name=full_softmax", "loss.temperature=0.1", "optim.lr=2e-3"],
+    "full-t10-b32": ["loss.name=full_softmax", "loss.temperature=0.1", "train.batch_size=32"],
+    "gr-b32": ["train.batch_size=32"],
+    # a cosine decay to 0 over the 20-epoch run (48 updates per epoch at batch 128)
+    "gr-lr2-cos": ["optim.lr=2e-3", "optim.schedule=cosine", "optim.decay_steps=960"],
+    "full-t10-lr2-cos": ["loss.name=full_softmax", "loss.temperature=0.1", "optim.lr=2e-3",
+                         "optim.schedule=cosine", "optim.decay_steps=960"],
 }
 KEYS = ["hr@10", "ndcg@10", "hr@50", "hr@200", "mrr"]
 
