@@ -235,7 +235,11 @@ def test_sampled_softmax_batches_are_unchanged_by_the_registry():
     np.testing.assert_array_equal(batch.negatives[:real], rng.integers(1, N_ITEMS + 1, size=(real, 7), dtype=np.int32))
 
 
-@pytest.mark.parametrize("name,kind,sampler,precision", CASES)
+# the wide-negative losses' 16-bit cases are covered per backend by the oracle test above
+TRAJECTORY_CASES = [c for c in CASES if not (c[0] in ("full_softmax", "mixed_pool") and c[3] != "fp32")]
+
+
+@pytest.mark.parametrize("name,kind,sampler,precision", TRAJECTORY_CASES)
 def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, sampler, precision):
     from backends import get_backend
 
