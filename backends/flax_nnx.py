@@ -8,7 +8,7 @@
 
 A module holds the functional parameter tree one-to-one: every leaf of ``init_params``' tree is an
 ``nnx.Param`` at the same path (``blocks.0.w_uvqk`` is ``hstu.blocks[0]["w_uvqk"]``, and
-``nnx.state(hstu, nnx.Param)`` has exactly the tree's paths), and ``params(module)`` gives the
+``nnx.state(hstu, nnx.Param)`` has exactly the tree's paths), and ``hstu.params()`` gives the
 tree back (numpy or JAX arrays in, JAX arrays out), so checkpoints of ``grf train``
 load into a module and a module's parameters save as one. The forward pass is the project's own
 function (``model.encode`` / ``ranking_logits``) on the JAX backend: outputs and gradients are the
@@ -64,11 +64,6 @@ class _Functional(nnx.Module):
     def params(self) -> dict:
         """The functional parameter tree (JAX arrays): what ``grf train`` checkpoints."""
         return {key: _tree(getattr(self, key)) for key in self._keys}
-
-
-def params(module: _Functional) -> dict:
-    """``module.params()``: the functional parameter tree a module holds."""
-    return module.params()
 
 
 class HSTU(_Functional):

@@ -28,6 +28,17 @@ def machine() -> dict:
     return info
 
 
+def rss() -> tuple[int, int]:
+    """(current, peak) resident set of this process, bytes (Linux /proc)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                fields[key] = int(value.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+
 def backends_for(cfg, names=None) -> list:
     """``[(label, backend)]`` to measure: ``names`` (default torch and jax) as ``grf train`` would
     make them (``runner.make_backend``: ``backend.device``, ``ops``, ``deterministic``).

@@ -19,10 +19,12 @@ commands.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import statistics
 import time
 
-from .common import backends_for, device_label, emit, machine
+from .common import backends_for, device_label, emit, machine, rss
 
 COLUMNS = ["backend", "device", "config", "loss", "negatives", "sampler", "precision", "negative_bytes", "tokens",
            "seconds", "tokens_per_s", "vs_sampled", "step_peak_mb"]
@@ -40,29 +42,21 @@ def _memory_probe():
     """``(start, added)``: ``start()`` returns free heap to the OS and resets the peak resident
     set; ``added()`` is the MB the peak then rose above the resident set at ``start``. Both no-ops
     (``added`` None) where Linux's /proc or glibc is missing."""
-    import ctypes
-
-    def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))  # KiB
-
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
-        status("VmHWM")
-    except (OSError, AttributeError, StopIteration):
+        rss()
+    except (OSError, AttributeError):
         return (lambda: None), (lambda: None)
     base = {}
 
     def start():
-        import gc
-
         gc.collect()
         trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current resident set
-        base["rss"] = status("VmRSS")
+        base["rss"] = rss()[0]
 
-    return start, (lambda: (status("VmHWM") - base["rss"]) / 1024.0)
+    return start, (lambda: (rss()[1] - base["rss"]) / 2**20)
 
 
 def negative_bytes(batch, embed_dim: int, precision: str) -> int:

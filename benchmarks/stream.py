@@ -21,22 +21,11 @@ import time
 
 import numpy as np
 
-from .common import emit, machine
+from .common import emit, machine, rss as _rss
 
 DEFAULT_CONFIG = "kuairand27k_stream"   # grf bench stream without --config
 COLUMNS = ["step", "tokens_per_s", "host_share", "rss_mb", "peak_rss_mb", "occupancy", "capacity", "inserts",
            "evictions", "hit_rate", "ids_per_step", "unique_per_step", "bytes_before", "bytes_after"]
-
-
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident set of this process, bytes (Linux /proc)."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                fields[key] = int(value.split()[0]) * 1024
-    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, steps: int | None = None, stream=None) -> list[dict]:

@@ -7,20 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
-import pytest
+from flax import nnx
 
-pytest.importorskip("flax")  # a default dependency; absent only where the install was trimmed by hand
+from backends import get_backend
+from backends.flax_nnx import HSTU, RankingModel
+from experiments import flax_optax_loop
+from gr_functional import model
+from gr_functional.batch import Negatives, make_batch
+from gr_functional.config import LossConfig, ModelConfig
+from gr_functional.configure import load_config
+from gr_functional.ranking.data import RankingLoader, chronological_split
+from gr_functional.ranking.model import init_ranking_params, ranking_logits
+from gr_functional.runner import train
+from gr_functional.tree import tree_items
 
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from backends import get_backend  # noqa: E402
-from backends.flax_nnx import HSTU, RankingModel, params  # noqa: E402
-from gr_functional import model  # noqa: E402
-from gr_functional.batch import Negatives, make_batch  # noqa: E402
-from gr_functional.config import LossConfig, ModelConfig  # noqa: E402
-from gr_functional.tree import tree_items  # noqa: E402
+from ..test_ranking_step import _seqs
+from ..test_ranking_train import PRESET, TINY
 
 CFG = ModelConfig(num_items=50, embed_dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, max_len=12,
                   input_dropout=0.2, linear_dropout=0.2)
@@ -49,8 +53,8 @@ def test_hstu_module_holds_the_functional_tree_one_to_one():
     tree = model.init_params(CFG, seed=3)
     hstu = HSTU(CFG, tree)
     _same_tree(_flat_state(hstu), {p: v for p, v in tree_items(tree)})   # nnx paths == functional paths
-    _same_tree(params(hstu), tree)                                       # and back
-    _same_tree(params(HSTU(CFG, seed=3)), tree)                           # seeded init == init_params
+    _same_tree(hstu.params(), tree)                                       # and back
+    _same_tree(HSTU(CFG, seed=3).params(), tree)                           # seeded init == init_params
 
 
 def test_hstu_module_outputs_and_gradients_are_the_functional_models():
@@ -68,18 +72,11 @@ def test_hstu_module_outputs_and_gradients_are_the_functional_models():
 
 
 def test_ranking_module_holds_the_tree_and_computes_the_functional_logits():
-    from gr_functional.configure import load_config
-    from gr_functional.ranking.data import RankingLoader, chronological_split
-    from gr_functional.ranking.model import init_ranking_params, ranking_logits
-
-    from ..test_ranking_step import _seqs
-    from ..test_ranking_train import PRESET, TINY
-
     cfg = load_config(PRESET, TINY + ["backend.name=jax"])
     tree = init_ranking_params(cfg.ranking, seed=0)
     ranker = RankingModel(cfg.ranking, tree)
     _same_tree(_flat_state(ranker), dict(tree_items(tree)))
-    _same_tree(params(ranker), tree)
+    _same_tree(ranker.params(), tree)
     seqs = _seqs()
     host_batch = next(iter(RankingLoader(seqs, chronological_split(seqs, 10).train, cfg.ranking, 8, 7).epoch(0)))
     B = ranker.backend
@@ -91,10 +88,6 @@ def test_ranking_module_holds_the_tree_and_computes_the_functional_logits():
 def test_the_flax_optax_loop_follows_grf_train_on_real_ml1m(tmp_path):
     """The README's example: nnx.Optimizer(optax.adamw) over HSTU on real ML-1M batches gives the
     losses ``grf train --backend jax`` logs for the same steps."""
-    from experiments import flax_optax_loop
-    from gr_functional.configure import load_config
-    from gr_functional.runner import train
-
     config = str(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "ml1m_hstu.toml")
     sets = ["train.max_steps=3", "train.log_every=1", "train.epochs=1", "train.checkpoint_every=0"]
     ours = flax_optax_loop.train(config, 3, sets)
