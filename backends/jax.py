@@ -12,6 +12,7 @@ import numpy as np
 
 from gr_functional.tree import is_static
 
+from . import dist_jax
 from .base import Backend
 
 _REGISTERED: set[type] = set()
@@ -71,13 +72,15 @@ class JaxBackend(Backend):
     LOW_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
     @classmethod
-    def prepare_process(cls, *, attention_recompute: bool = False) -> None:
+    def prepare_process(cls, *, attention_recompute: bool = False, devices: int = 1) -> None:
         """With ``attention_recompute``: add ``LOW_MEMORY_FLAG`` to ``XLA_FLAGS`` unless the user
         set that flag; it is read when JAX starts its CPU client, so a process that already ran
-        JAX keeps its scheduler (a warning says so)."""
+        JAX keeps its scheduler (a warning says so). ``devices`` > 1: ask XLA for that many CPU
+        host devices (``dist_jax.force_host_devices``)."""
         import os
         import warnings
 
+        dist_jax.force_host_devices(devices)
         flags = os.environ.get("XLA_FLAGS", "")
         if not attention_recompute or "xla_cpu_enable_concurrency_optimized_scheduler" in flags:
             return
@@ -94,6 +97,11 @@ class JaxBackend(Backend):
             return
         os.environ["XLA_FLAGS"] = f"{flags} {cls.LOW_MEMORY_FLAG}".strip()
 
+    @classmethod
+    def join(cls, cfg):
+        """``dist.devices`` ranks on this process's devices, a 1-D mesh (backends/dist_jax.py)."""
+        return dist_jax.join(cfg), None
+
     @property
     def device_kind(self) -> str:
         return (self._device or self._jax.devices()[0]).platform
@@ -105,6 +113,12 @@ class JaxBackend(Backend):
     def asarray_tree(self, tree):
         _register_dataclasses(tree)
         return super().asarray_tree(tree)
+
+    def device_put(self, tree, sharding):
+        """``tree`` (numpy or jax leaves, batch dataclasses included) placed per ``sharding``
+        (``jax.sharding``: e.g. rank r's slice on device r of a mesh, backends/dist_jax.py)."""
+        _register_dataclasses(tree)
+        return self._jax.device_put(tree, sharding)
 
     def to_numpy(self, x) -> np.ndarray:
         return np.asarray(x)
@@ -319,107 +333,3 @@ def _chunked_sampled_logits(jax, dense: bool):
     f.defvjp(fwd, bwd)
     _FUNCTIONS[key] = f
     return f
-
-
-# ----------------------------------------------------------------------------- data parallel
-def stack_rank_batches(rank_batches: list) -> Any:
-    """``[R]`` numpy HSTUBatches of equal capacities (``TrainLoader.rank_batches(...,
-    capacity="common")``) -> one HSTUBatch whose every leaf has a leading rank axis ``[R, ...]``."""
-    from gr_functional.tree import tree_map
-
-    def caps_of(b):
-        tiles = b.tokens.tiles
-        return (b.tokens.t_cap, b.tokens.b_cap) + ((None, None) if tiles is None else
-                                                   (int(np.shape(tiles.pair_q)[0]), tiles.nc_cap))
-
-    caps = {caps_of(b) for b in rank_batches}
-    if len(caps) != 1:
-        raise ValueError(f"rank batches must share one capacity to stack, got (t_cap, b_cap, p_cap, nc_cap) "
-                         f"{sorted(caps, key=str)}; build them with TrainLoader.rank_batches(capacity='common')")
-    return tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), rank_batches[0], *rank_batches[1:])
-
-
-def make_sharded_train_step(B: "JaxBackend", cfg, devices=None):
-    """The JAX reference of the data-parallel step: one process, one rank per jax device.
-
-    Returns ``step(params, opt_state, micro, scales, global_tokens) -> (params, opt_state, metrics)``:
-    micro: list of stacked micro-batches (``stack_rank_batches``; leaves ``[R, ...]``, sharded
-    along a 1-D mesh axis "data" of ``devices``, default all); scales ``[R, k]`` float32: rank r's
-    weight ``n_ri / G`` of micro-batch i (``gr_functional.step.rank_scales``); global_tokens:
-    G. Under ``shard_map`` each device computes ``step.rank_grads`` on its own sequences, the
-    gradients and loss parts are ``psum``-med over "data" (the torch collective's SUM
-    all-reduce), and every device applies the same AdamW update to replicated params: the same
-    math as ``step.make_dist_train_step``. CPU tests force devices with
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts).
-    """
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from gr_functional.step import apply_update, rank_grads
-
-    devices = list(devices or jax.devices())
-    mesh = Mesh(np.array(devices), ("data",))
-
-    def per_rank(params, opt_state, micro, scales, global_tokens):
-        local = [jax.tree_util.tree_map(lambda x: x[0], mb) for mb in micro]   # drop the rank axis
-        loss_part, grads = rank_grads(B, params, opt_state, local, [scales[0, i] for i in range(len(local))], cfg)
-        grads = jax.lax.psum(grads, "data")
-        loss = jax.lax.psum(loss_part, "data")
-        return apply_update(B, params, opt_state, loss, global_tokens, grads, cfg)
-
-    # check_vma=False: per-device gradients of the replicated params stay per-device (with the
-    # check on, JAX would insert the psum itself when transposing the implicit broadcast of
-    # params, and the explicit psum above would double them); the psum is then ours, as the
-    # torch collective's all-reduce, and the outputs are replicated because it ran.
-    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P()),
-                                    out_specs=P(), check_vma=False))
-    data_sharding = NamedSharding(mesh, P("data"))
-
-    def step(params, opt_state, micro, scales, global_tokens):
-        micro = [B.asarray_tree(mb) for mb in micro]  # registers the batch dataclasses as pytrees
-        micro = jax.device_put(micro, data_sharding)
-        scales = jax.device_put(np.asarray(scales, dtype=np.float32), data_sharding)
-        return sharded(params, opt_state, micro, scales, np.float32(global_tokens))
-
-    step.mesh = mesh
-    return step
-
-
-def make_sharded_table_ops(B: "JaxBackend", optimizer: str, opt_cfg, devices=None):
-    """The JAX reference of a row-sharded table's exchange (gr_functional/embedding/sharding.py):
-    one process, one shard per device of a 1-D mesh "data" (forced host devices on CPU).
-
-    Requests have a fixed capacity C per (rank, owner) pair: ``req[R, R, C]`` int32, ``req[r, o]``
-    the rows of shard o that rank r asks for (0 = none: the zero padding row). Returns
-    ``lookup(values[R, N, D], req) -> rows[R, R, C, D]`` (``rows[r, o]`` answers ``req[r, o]``:
-    the requests travel to their owners and the rows back by ``jax.lax.all_to_all``) and
-    ``push(values, state, req, grads[R, R, C, D], lr) -> (values, state)`` (gradients to the
-    owners, summed per row with ``segment_sum``, the row-sparse optimizer on the requested rows):
-    the same math as the torch exchange's ``all_to_all_single`` hops."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    from gr_functional.embedding import rowopt
-
-    mesh = Mesh(np.array(list(devices or jax.devices())), ("data",))
-
-    def lookup_local(values, req):
-        asked = jax.lax.all_to_all(req[0], "data", 0, 0)             # [R, C]: what each rank asks of me
-        answer = jnp.take(values[0], asked, axis=0)                 # [R, C, D]
-        return jax.lax.all_to_all(answer, "data", 0, 0)[None]       # [1, R, C, D]: from each owner
-
-    def push_local(values, state, req, grads, lr):
-        asked = jax.lax.all_to_all(req[0], "data", 0, 0).reshape(-1)
-        g = jax.lax.all_to_all(grads[0], "data", 0, 0)
-        n, d = values.shape[1], values.shape[2]
-        summed = jax.ops.segment_sum(g.reshape(-1, d), asked, num_segments=n)
-        touched = jnp.zeros(n, bool).at[asked].set(True).at[0].set(False)
-        new, new_state = rowopt.row_update(B, optimizer, values[0], summed, {k: v[0] for k, v in state.items()},
-                                           touched, lr, opt_cfg)
-        return new[None], {k: v[None] for k, v in new_state.items()}
-
-    lookup = jax.jit(jax.shard_map(lookup_local, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))
-    push = jax.jit(jax.shard_map(push_local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P("data"), P()),
-                                 out_specs=(P("data"), P("data"))))
-    return lookup, push

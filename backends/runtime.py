@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gr_functional.errors import ConfigError
 from gr_functional.tree import tree_map
 
 # Compute dtypes of the mixed-precision modes (backend.precision); "fp32" computes in the
@@ -67,9 +68,16 @@ class ArrayRuntime:
         return view
 
     @classmethod
-    def prepare_process(cls, *, attention_recompute: bool = False) -> None:
+    def prepare_process(cls, *, attention_recompute: bool = False, devices: int = 1) -> None:
         """Process-wide settings a config asks of this backend, applied before the backend starts
-        (``runner.make_backend`` calls it first). Default: none."""
+        (``runtime.prepare_process``; ``devices``: ``dist.devices``). Default: none."""
+
+    @classmethod
+    def join(cls, cfg) -> tuple[Any, str | None]:
+        """``(collective, device)`` of this process in a data-parallel run of ``cfg`` (more than
+        one rank: ``runner.train``): how the backend's ranks meet. Default: it has none."""
+        raise ConfigError(f"backend.name={cls.name!r} has no data-parallel run; train on one process, or use "
+                          f"--backend torch --nproc N or --backend jax --devices N")
 
     def checkpoint(self, f: Callable) -> Callable:
         """``f`` (array arguments, differentiable) whose intermediates autograd does not keep:

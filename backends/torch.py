@@ -22,6 +22,15 @@ class TorchBackend(Backend):
     # extension builds, else jagged attention and the row-chunked torch Functions below
     default_ops = {**Backend.default_ops, "attention": "best", "sampled_logits": "best", "shared_logsumexp": "best"}
 
+    @classmethod
+    def join(cls, cfg):
+        """One rank per process, launched by torchrun (backends/dist_torch.py): its process group
+        and its device (cpu for gloo, cuda:/npu:LOCAL_RANK for nccl/hccl)."""
+        from . import dist_torch
+
+        device = dist_torch.device_for(cfg.dist.backend, cfg.backend.device)
+        return dist_torch.init(cfg.dist, device), device
+
     def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None,
                  compile: bool = False):
         """ops: ``{op: implementation}`` of the op registry (backends/ops.py; omitted ops take

@@ -68,6 +68,8 @@ def _load(args):
     overrides = list(args.set or [])
     if getattr(args, "backend", None):
         overrides.append((f"--backend {args.backend}", f"backend.name={args.backend}"))
+    if getattr(args, "devices", None) is not None:
+        overrides.append((f"--devices {args.devices}", f"dist.devices={args.devices}"))
     return load_config(_config_path(args.config), overrides, plugins=getattr(args, "plugin", None) or [])
 
 
@@ -197,7 +199,8 @@ def cmd_train(args) -> int:
 # --set keys that extend or observe a run without changing what it trains: a run given one of them
 # stays in (and resumes) the folder of its variant
 _FOLDER_NEUTRAL = ("train.epochs", "train.max_steps", "train.log_every", "train.checkpoint_every", "train.eval_every",
-                   "train.keep_checkpoints", "train.prefetch", "train.tensorboard", "backend.precision", "backend.name")
+                   "train.keep_checkpoints", "train.prefetch", "train.tensorboard", "backend.precision", "backend.name",
+                   "dist.devices")  # N JAX devices train the one-device update
 
 
 def default_out(args, cfg) -> str:
@@ -411,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=None,
                    help="data-parallel processes on this host (default dist.nproc, 1); > 1 starts them through "
                         "torch.distributed.run (torchrun). For several hosts run torchrun yourself (README)")
+    t.add_argument("--devices", type=int, default=None,
+                   help="JAX: train data-parallel on N devices of this process, one rank each (dist.devices; on "
+                        "CPU, N XLA host devices)")
     t.set_defaults(fn=cmd_train, config=None)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on any backend")

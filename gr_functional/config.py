@@ -360,6 +360,10 @@ class DistConfig:
     # Processes on this host that `grf train` starts (through torch.distributed.run) when > 1.
     # Under torchrun the world size comes from WORLD_SIZE and is written back here.
     nproc: int = _range(1, ge=1)
+    # JAX (backends/dist_jax.py): devices of this process that train as ranks of a 1-D mesh,
+    # each its dist.balance share of every global batch (0 or 1: one device). On CPU, grf asks
+    # XLA for that many host devices. torch and npu run one rank per process: dist.nproc.
+    devices: int = _range(0, ge=0)
     # Which sequences of a global batch each rank trains: "none" (contiguous equal-count
     # slices), "kk" (equal-count Karmarkar-Karp + exchange refinement on a*L^2 + b*L per
     # sequence; the global batches are the single-process ones), "lookahead" (balance.plan_epoch
@@ -730,6 +734,8 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
                                    f"set backend.compile=false")
     if cfg.model.task == "ranking":
         _validate_ranking(cfg, fail)
+    if cfg.dist.devices > 1:
+        _validate_devices(cfg, fail)
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
         fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
                                      "1.6e-5 or use backend.precision=bf16/fp32")
@@ -777,6 +783,23 @@ def cutoff_ms(text: str) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.timezone.utc)
     return int(when.timestamp() * 1000)
+
+
+def _validate_devices(cfg: Config, fail) -> None:
+    """dist.devices > 1: a JAX mesh of one process's devices (backends/dist_jax.py)."""
+    if cfg.backend.name != "jax":
+        fail("dist", "devices", f"trains ranks as the devices of one JAX process; backend.name="
+                                f"{cfg.backend.name!r} runs one rank per process: use --nproc N (dist.nproc), "
+                                f"or --backend jax")
+    elif cfg.dist.nproc > 1:
+        fail("dist", "devices", "a JAX mesh runs in one process here; set dist.nproc = 1 (several JAX processes "
+                                "are not supported yet)")
+    if cfg.model.task != "retrieval":
+        fail("dist", "devices", f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel "
+                                f"as torch ranks (--backend torch --nproc N)")
+    if cfg.embedding.sharding == "row":
+        fail("dist", "devices", "a row-sharded table runs on torch ranks (--backend torch --nproc N); on the JAX "
+                                "mesh the table is replicated: set embedding.sharding = 'replicated'")
 
 
 def _validate_ranking(cfg: Config, fail) -> None:

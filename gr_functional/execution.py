@@ -1,6 +1,7 @@
 """How a run executes its steps: ``LocalSteps`` in one process, ``RankSteps`` on one rank of a
 data-parallel run (gradients all-reduced inside the step; with a row-sharded table, the id
-exchange where batches are built). ``make_steps`` chooses; a task's own runner (ranking's
+exchange where batches are built), ``MeshSteps`` for several ranks on one process's devices (a
+JAX mesh). ``make_steps`` chooses; a task's own runner (ranking's
 ``RankingSteps``) has the same two methods: ``batches(epoch, start, limit)`` and ``run(params,
 opt_state, micro, step, epoch) -> (params, opt_state, hooks.StepResult)``.
 """
@@ -16,7 +17,7 @@ from .config import Config
 from .data.prefetch import PrefetchStats, Worker
 from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
 from .hooks import StepResult
-from .step import Objective, make_dist_train_step, make_sharded_dist_step, make_train_step
+from .step import Objective, make_dist_train_step, make_sharded_dist_step, make_train_step, rank_scales
 
 
 def step_groups(batches, k: int):
@@ -64,6 +65,15 @@ class LocalSteps:
         dev = [self.B.asarray_tree(b) for b in micro]
         params, opt_state, m = self.fn(params, opt_state, dev if self.k > 1 else dev[0])
         return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
+
+
+def global_step_rows(host, step_ids: list, step: int, ids: "BatchIds"):
+    """``(localize, stats)``: a data-parallel step's table rows for the ids of the whole global step
+    (``step_ids``: ``RankBatch.step_ids`` of its micro-batches), which every rank maps the same
+    way, so every rank holds the same rows; ``localize(batch)`` rewrites a rank's batch to them."""
+    unique, _ = unique_ids([s[0] for s in step_ids])
+    lookup, stats = host.plan(unique, sum(s[1] for s in step_ids), step)
+    return (lambda batch: ids.localize(batch, unique, lookup)), stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +160,8 @@ class RankSteps:
             return self._run_sharded(params, opt_state, micro, step, epoch)
         batches, stats = [rb.batch for rb in micro], None
         if self.host is not None:
-            # every rank maps the ids of the whole global step (the same rows everywhere)
-            ids, _ = unique_ids([rb.step_ids[0] for rb in micro])
-            refs = sum(rb.step_ids[1] for rb in micro)
-            lookup, stats = self.host.plan(ids, refs, step)
-            batches = [self.ids.localize(b, ids, lookup) for b in batches]
+            localize, stats = global_step_rows(self.host, [rb.step_ids for rb in micro], step, self.ids)
+            batches = [localize(b) for b in batches]
         dev = [self.B.asarray_tree(b) for b in self.ids.join(batches)]
         params, opt_state, m = self.fn(params, opt_state, dev, [rb.tokens for rb in micro],
                                        sum(rb.global_tokens for rb in micro))
@@ -216,9 +223,47 @@ class RankSteps:
             rank_compute_s=np.asarray(m["rank_compute_s"]), embedding=record)
 
 
+class MeshSteps:
+    """Steps of a run whose ranks are the devices of this process (``comm.ranks_here > 1``: a JAX
+    mesh, backends/dist_jax.py): every rank's share of each global batch, padded to one capacity
+    (``TrainLoader.ranks_epoch``), goes to the mesh's step (``comm.train_step``) with each rank's
+    token weights (``step.rank_scales``): the shares, weights and update of the torch ranks'
+    ``RankSteps``. With a hash table, the rows of the global step's ids as ``RankSteps``."""
+
+    def __init__(self, B, cfg: Config, loader, comm, host=None):
+        self.loader, self.comm, self.k, self.ids = loader, comm, cfg.train.accumulate, BatchIds()
+        self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
+        self.host = host if host is not None and host.sparse else None
+        self.fn = comm.train_step(B, cfg)
+
+    def batches(self, epoch: int, start: int, limit: int | None = None):
+        """The steps of epoch ``epoch`` from batch ``start`` (lists of micro-batches, each a list
+        of every rank's ``RankBatch``), at most ``limit`` of them."""
+        steps = step_groups(self.loader.ranks_epoch(epoch, start, with_ids=self.host is not None,
+                                                    prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+        return itertools.islice(steps, limit)
+
+    def run(self, params, opt_state, micro, step: int, epoch: int):
+        self.comm.step = step
+        batches, stats = [[rb.batch for rb in ranks] for ranks in micro], None
+        if self.host is not None:
+            localize, stats = global_step_rows(self.host, [ranks[0].step_ids for ranks in micro], step, self.ids)
+            batches = [[localize(b) for b in ranks] for ranks in batches]
+        R, G = self.comm.world_size, sum(ranks[0].global_tokens for ranks in micro)
+        scales = [rank_scales([ranks[r].tokens for ranks in micro], G, R) for r in range(R)]  # [R, k]
+        params, opt_state, m = self.fn(params, opt_state, batches, scales, G)
+        rank_tokens = sum(ranks[0].rank_tokens for ranks in micro)
+        return params, opt_state, StepResult(step, epoch, m, int(rank_tokens.sum()),
+                                             rank_tokens=[int(x) for x in rank_tokens],
+                                             embedding=lookup_record(self.host, stats))
+
+
 def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
-    """The step runner of this process: one place chooses between one process and one rank."""
+    """The step runner of this process: one place chooses between one process, one rank, and
+    several ranks on this process's devices."""
     if comm.world_size == 1:
         return LocalSteps(B, cfg, loader, host)
+    if comm.ranks_here > 1:
+        return MeshSteps(B, cfg, loader, comm, host)
     return RankSteps(B, cfg, loader, comm, host, shard)
 

@@ -219,8 +219,9 @@ class StepLog(Hook):
             trec = {"kind": "train", "step": step.step, "tokens_per_s": run.tokens_per_s,
                     "elapsed_s": time.perf_counter() - run.run_start}
             if step.rank_tokens is not None:
-                trec.update(rank_compute_s=m["rank_compute_s"], rank_cpu_s=m["rank_cpu_s"], wait_s=m["wait_s"],
-                            rank_tokens=step.rank_tokens, rank_peak_rss_mb=m["rank_peak_rss_mb"])
+                # per-rank times of processes (torch ranks); a JAX mesh's ranks share one program
+                trec.update({k: m[k] for k in ("rank_compute_s", "rank_cpu_s", "wait_s", "rank_peak_rss_mb") if k in m},
+                            rank_tokens=step.rank_tokens)
             run.timing.write(trec)
             return
         reason, _ = bad_step(m, cfg)

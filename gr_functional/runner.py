@@ -25,8 +25,9 @@ state (and fp16 loss scale), the loader position (epoch, batch), the step, the p
 and metrics.jsonl up to that step. All randomness is numpy ``default_rng((train.seed, epoch[,
 step]))`` drawn by the loader, so the position and the seed are the whole RNG state.
 
-Data-parallel (docs/guides/distributed.md "Distributed training"): under torchrun (``WORLD_SIZE > 1``) every rank
-runs ``train``; the task's step runner trains the rank's share of every global batch over a
+Data-parallel (docs/guides/distributed.md "Distributed training"): with ``dist.devices = N`` on
+JAX, this process trains N ranks, one per device of a mesh (backends/dist_jax.py); under torchrun
+(``WORLD_SIZE > 1``) every rank runs ``train``; the task's step runner trains the rank's share of every global batch over a
 ``backends.dist_torch.TorchCollective``. Rank 0 alone reads and writes OUT (config, metrics,
 timing, checkpoints, eval.json, curves) and evaluates; the resume decision and checkpoint state
 are broadcast from it, so OUT need only exist on rank 0's host. timing.jsonl then also records
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends import ops
+from backends import backend_class, ops
 
 from . import results
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
@@ -60,7 +61,7 @@ from .report import select_epoch
 from .resume import (RESUME_MODES, RunState, check_param_shapes, config_changes, find_resume,
                      refuse_changes_to_a_finished_run, restore_opt_state, resume_on_all_ranks, world_size)
 from .runlock import RunLock
-from .runtime import make_backend
+from .runtime import make_backend, prepare_process
 from .task import Task, get_task
 from .step import init_opt_state
 
@@ -109,15 +110,17 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     validate(cfg)
     # what the script calling grf.fit registered itself: recorded, so a resume or grf eval finds it
     cfg = replace(cfg, train={"plugins": cfg.train.plugins + plugins_in_use(cfg)})
+    prepare_process(cfg)  # before anything asks the array library about its devices (memory.check_fits)
     task = get_task(cfg.model.task)
-    world = world_size()
+    processes = world_size()
+    world = processes * max(1, cfg.dist.devices)  # data-parallel ranks: processes x devices of each
     task.check(cfg, world)
-    if world > 1:
+    if processes > 1:
         if cfg.backend.name not in DIST_TORCH_BACKENDS:
             raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the torch backends "
                               f"({', '.join(DIST_TORCH_BACKENDS)}); the JAX reference of the data-parallel step is "
                               f"backends.jax.make_sharded_train_step (one process, several jax devices)")
-        cfg = replace(cfg, dist={"nproc": world})  # the resolved config records the real world size
+        cfg = replace(cfg, dist={"nproc": processes})  # the resolved config records the real world size
     out = Path(out_dir)
     prepared = task.prepare(cfg, world)
     cfg = prepared.cfg
@@ -126,10 +129,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     comm, device = LocalComm(), None
     if world > 1:
         # joined after each rank loaded its data (a slow loader never trips a collective timeout)
-        from backends import dist_torch
-
-        device = dist_torch.device_for(cfg.dist.backend, cfg.backend.device)
-        comm = dist_torch.init(cfg.dist, device)
+        comm, device = backend_class(cfg.backend.name).join(cfg)
     lock = RunLock(out)
 
     def find():

@@ -23,7 +23,7 @@ Everything a step needs beyond params lives in its arguments (docs/guides/reliab
 
 Data parallel: ``make_dist_train_step`` is one rank's step (torch, over a collective);
 ``rank_grads`` / ``rank_scales`` hold the math shared with the JAX reference
-(``backends.jax.make_sharded_train_step``): each rank's loss is normalised by the GLOBAL
+(``backends.dist_jax.make_sharded_train_step``): each rank's loss is normalised by the GLOBAL
 supervised token count and the gradients are SUM-reduced.
 
 metrics: ``loss`` (fp32 scalar, unscaled token-weighted mean), ``finite`` (bool: the update was

@@ -432,10 +432,12 @@ class TrainLoader:
                          np.bincount(assign, weights=tok, minlength=R).astype(np.int64),
                          np.bincount(assign, weights=self.split.costs(tok), minlength=R), step_ids)
 
-    def rank_batches(self, epoch: int, step: int, *, capacity: str | tuple[int, int] = "common") -> list[RankBatch]:
-        """Every rank's share of global batch ``step`` (the single-process JAX data-parallel step
+    def rank_batches(self, epoch: int, step: int, *, capacity: str | tuple[int, int] = "common",
+                     with_ids: bool = False) -> list[RankBatch]:
+        """Every rank's share of global batch ``step`` (a JAX mesh's step, backends/dist_jax.py,
         and tests). ``capacity="common"`` (default) pads all to one ladder capacity (the largest
-        share's), so they stack into ``[R, ...]`` arrays; otherwise as ``slice_batch``."""
+        share's), so they stack into ``[R, ...]`` arrays; otherwise as ``slice_batch``.
+        ``with_ids``: as ``rank_batch``'s."""
         whole = self.batch(epoch, step)
         if capacity == "common":
             assign = self.rank_assignment(epoch, step)
@@ -447,8 +449,14 @@ class TrainLoader:
                 per_rank = [tile_counts(lengths[assign == r], whole.tokens.tiles.tile)
                             for r in range(self.split.world_size)]
                 capacity += tile_capacities(max(c for c, _ in per_rank), max(p for _, p in per_rank))
-        return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole)
+        return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole, with_ids=with_ids and r == 0)
                 for r in range(self.split.world_size)]
+
+    def ranks_epoch(self, e: int, start_step: int = 0, *, with_ids: bool = False, prefetch: int = 0,
+                    stats: PrefetchStats | None = None) -> Iterator[list[RankBatch]]:
+        """Like ``epoch`` but yields every rank's share of each global batch (``rank_batches``,
+        one capacity; ``with_ids``: the step's distinct ids on rank 0's); moves the position the same way."""
+        return self._advance(e, start_step, lambda s: self.rank_batches(e, s, with_ids=with_ids), prefetch, stats)
 
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
                    capacity: str | tuple[int, int] = "exact", with_ids: bool = False, prefetch: int = 0,

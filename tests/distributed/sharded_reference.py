@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.distributed.sharded_reference OUT.npz SETS...
 
 Trains ``train.max_steps`` steps of the tiny config (``--set``-style SETS) with
-``backends.jax.make_sharded_train_step`` over 2 forced host devices: each device ("rank") takes its
+``backends.dist_jax.make_sharded_train_step`` over 2 forced host devices: each device ("rank") takes its
 ``dist.balance`` share of every global batch (``TrainLoader.rank_batches(capacity="common")``),
 gradients are ``psum``-med. Writes the final params (tree paths -> arrays) to OUT.npz. XLA reads
 XLA_FLAGS once, when JAX starts, hence a separate process.
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> None:
     import jax
 
     from backends import get_backend
-    from backends.jax import make_sharded_train_step, stack_rank_batches
+    from backends.dist_jax import make_sharded_train_step, stack_rank_batches
     from gr_functional import model
     from gr_functional.configure import load_config
     from gr_functional.data import batching, split

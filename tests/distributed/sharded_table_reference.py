@@ -1,4 +1,4 @@
-"""The JAX reference of the row-sharded exchange (``backends.jax.make_sharded_table_ops``) run on
+"""The JAX reference of the row-sharded exchange (``backends.dist_jax.make_sharded_table_ops``) run on
 the gloo tests' scenario (tests/distributed/sharding_worker.py), one shard per forced host
 device; writes each step's rows per rank and the final rows by id to an .npz.
 
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
 
     from backends import get_backend
-    from backends.jax import make_sharded_table_ops
+    from backends.dist_jax import make_sharded_table_ops
     from gr_functional.config import OptimConfig
     from gr_functional.embedding import rowopt
     from gr_functional.embedding.hashtable import HashTable, hashed_init

@@ -1,4 +1,4 @@
-"""The JAX reference of the data-parallel step: ``backends.jax.make_sharded_train_step`` over 2
+"""The JAX reference of the data-parallel step: ``backends.dist_jax.make_sharded_train_step`` over 2
 forced host devices (shard_map over a "data" mesh axis, psum of gradients) gives the parameters
 of single-process JAX and of the 2-rank torch run after 20 steps (<= 1e-5; measured 1.6e-7 and
 5.9e-7). XLA reads XLA_FLAGS when JAX starts, so it runs in a subprocess."""

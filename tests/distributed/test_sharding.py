@@ -140,7 +140,7 @@ def test_16_bit_exchange(launched, precision, tol):
 
 @pytest.mark.parametrize("world, kind", [(2, "hash")])  # 4 ranks, dense: run by hand (tests/distributed/sharded_table_reference.py)
 def test_jax_shard_map_reference_agrees(tmp_path, world, kind):
-    """backends.jax.make_sharded_table_ops (shard_map + jax.lax.all_to_all over forced host
+    """backends.dist_jax.make_sharded_table_ops (shard_map + jax.lax.all_to_all over forced host
     devices) serves the same rows and ends with the same table as one unsharded table, which the
     gloo ranks match too (test_sharded_table_equals_one_table)."""
     from .common import subprocess_env
