@@ -122,6 +122,38 @@ def make_sharded_train_step(B, cfg, devices=None):
     return step
 
 
+def make_sharded_scorer(B, cfg, devices):
+    """``scorer(params, batch) -> scores[n, N+1]`` (``step.score`` of the batch's n histories, in
+    their order) with the histories split over the devices of a 1-D mesh "data" in contiguous
+    near-equal parts (``batching.split_for_ranks``), each device scoring its part: evaluation
+    sharded as training is, the same scores as one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from gr_functional.data.batching import split_for_ranks
+    from gr_functional.step import score
+
+    mesh = Mesh(np.array(devices), ("data",))
+
+    def per_rank(params, batch):
+        return score(B, params, jax.tree_util.tree_map(lambda x: x[0], batch), cfg)[None]
+
+    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+                                    check_vma=False))
+    data_sharding = NamedSharding(mesh, P("data"))
+
+    def scorer(params, batch):
+        batch = B.to_numpy_tree(batch)
+        n = int(np.count_nonzero(np.asarray(batch.tokens.lengths)))  # every history has >= 1 event
+        parts = split_for_ranks(batch, n, len(devices))
+        scores = sharded(params, B.device_put(stack_rank_batches(parts), data_sharding))   # [R, b, N+1]
+        return jnp.concatenate([scores[r, :int(np.count_nonzero(np.asarray(p.tokens.lengths)))]
+                                for r, p in enumerate(parts)])
+
+    return scorer
+
+
 class MeshComm(LocalComm):
     """The collective of a JAX run over a mesh of one process's devices: ``world_size`` ranks,
     all computed here (``ranks_here``); rank 0 of the host side, which writes OUT. Host-side
@@ -140,6 +172,10 @@ class MeshComm(LocalComm):
 
     def gather(self, obj: Any) -> list:
         return [obj]
+
+    def scorer(self, B, cfg):
+        """The evaluation scorer: ``make_sharded_scorer`` over the mesh."""
+        return make_sharded_scorer(B, cfg, self.devices)
 
     def train_step(self, B, cfg):
         """``step(params, opt_state, micro, scales, global_tokens)``: micro is a list of

@@ -542,7 +542,9 @@ def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | N
 
 
 # ----------------------------------------------------------------------------- evaluation
-def _score(B, params: dict, batch: HSTUBatch, cfg: Config):
+def score(B, params: dict, batch: HSTUBatch, cfg: Config):
+    """``[B_cap, N+1]`` scores of every item at the last position of each history, computed in
+    ``backend.precision`` (returned in the master dtype). Pure; ``make_scorer`` jits it."""
     precision = cfg.backend.precision
     if precision == "fp32":
         return model.score_last(B, params, batch, cfg.model)
@@ -554,4 +556,4 @@ def _score(B, params: dict, batch: HSTUBatch, cfg: Config):
 def make_scorer(B, cfg: Config):
     """``scores = scorer(params, batch)`` -> [B_cap, N+1] for the last position of each history,
     computed in ``backend.precision`` (returned in the master dtype)."""
-    return B.jit(partial(_score, B, cfg=cfg))
+    return B.jit(partial(score, B, cfg=cfg))

@@ -195,6 +195,28 @@ def slice_batch(batch: HSTUBatch, seqs, *, capacity: str | tuple[int, int] = "la
                                block_keep=take(batch.block_keep, axis=1))
 
 
+def common_capacity(batch: HSTUBatch, assign: np.ndarray, world: int) -> tuple:
+    """One capacity for every rank's slice of ``batch`` (``assign[b]``: the rank of sequence b):
+    ``(t_cap, b_cap[, p_cap, nc_cap])``, the ladder capacities of the largest share (and of its
+    tile plan), so the slices stack into ``[R, ...]`` arrays (``slice_batch(capacity=...)``)."""
+    lengths = np.asarray(batch.tokens.lengths)[:len(assign)].astype(np.int64)
+    tok = np.bincount(assign, weights=lengths, minlength=world)
+    counts = np.bincount(assign, minlength=world)
+    capacity = (round_up_capacity(int(tok.max())), round_up_capacity(int(counts.max()), 1))
+    if batch.tokens.tiles is not None:
+        per_rank = [tile_counts(lengths[assign == r], batch.tokens.tiles.tile) for r in range(world)]
+        capacity += tile_capacities(max(c for c, _ in per_rank), max(p for _, p in per_rank))
+    return capacity
+
+
+def split_for_ranks(batch: HSTUBatch, num_seqs: int, world: int) -> list[HSTUBatch]:
+    """``batch``'s first ``num_seqs`` sequences in ``world`` contiguous, near-equal parts at one
+    capacity (``common_capacity``): an evaluation batch scored by the ranks of a mesh."""
+    assign = np.repeat(np.arange(world), [len(p) for p in np.array_split(np.arange(num_seqs), world)])
+    capacity = common_capacity(batch, assign, world)
+    return [slice_batch(batch, np.flatnonzero(assign == r), capacity=capacity) for r in range(world)]
+
+
 def _pairs(source) -> Iterator:
     """``(position, item)`` -> ``(position, (item, next item or None))``."""
     before = None
@@ -440,15 +462,7 @@ class TrainLoader:
         ``with_ids``: as ``rank_batch``'s."""
         whole = self.batch(epoch, step)
         if capacity == "common":
-            assign = self.rank_assignment(epoch, step)
-            tok = np.bincount(assign, weights=self.tokens[self.plan(epoch)[step]], minlength=self.split.world_size)
-            counts = np.bincount(assign, minlength=self.split.world_size)
-            capacity = (round_up_capacity(int(tok.max())), round_up_capacity(int(counts.max()), 1))
-            if whole.tokens.tiles is not None:
-                lengths = np.asarray(whole.tokens.lengths)[:len(assign)]
-                per_rank = [tile_counts(lengths[assign == r], whole.tokens.tiles.tile)
-                            for r in range(self.split.world_size)]
-                capacity += tile_capacities(max(c for c, _ in per_rank), max(p for _, p in per_rank))
+            capacity = common_capacity(whole, self.rank_assignment(epoch, step), self.split.world_size)
         return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole, with_ids=with_ids and r == 0)
                 for r in range(self.split.world_size)]
 
