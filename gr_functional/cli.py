@@ -100,7 +100,7 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     if cfg.backend.name not in DIST_TORCH_BACKENDS:
         raise ConfigError(f"--nproc {nproc}: multi-process training runs the torch backends "
                           f"({', '.join(DIST_TORCH_BACKENDS)}), not backend.name={cfg.backend.name!r}; "
-                          f"the JAX data-parallel reference is backends.jax.make_sharded_train_step")
+                          f"JAX trains data-parallel on the devices of one process: --devices {nproc}")
     # what a launched rank would refuse with dist.nproc = N (embedding.node_size must divide it):
     # refused here, in one line, before torchrun starts (the config read above had the file's nproc)
     origins = {parse_override(item)[:2]: f"--set {item}" for item in args.set or []}

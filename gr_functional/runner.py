@@ -118,8 +118,8 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     if processes > 1:
         if cfg.backend.name not in DIST_TORCH_BACKENDS:
             raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the torch backends "
-                              f"({', '.join(DIST_TORCH_BACKENDS)}); the JAX reference of the data-parallel step is "
-                              f"backends.jax.make_sharded_train_step (one process, several jax devices)")
+                              f"({', '.join(DIST_TORCH_BACKENDS)}); JAX trains data-parallel on the devices of one "
+                              f"process: --devices N (dist.devices)")
         cfg = replace(cfg, dist={"nproc": processes})  # the resolved config records the real world size
     out = Path(out_dir)
     prepared = task.prepare(cfg, world)
