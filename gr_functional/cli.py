@@ -8,7 +8,7 @@
     grf crosscheck --config FILE --backends jax,torch [--steps N [--out DIR]] [--json] [--set key=value ...]
     grf crosscheck --checkpoint OUT/checkpoints/last.safetensors --backends jax,torch [--split valid]
     grf data fetch ml-1m | grf data info
-    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
+    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|data_parallel|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
     grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
 
 Exit codes: 0 done, 2 user error (nothing written; also: the run folder is in use by another run),
@@ -323,7 +323,7 @@ BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "thr
               "scaling": "benchmarks.scaling", "compile": "benchmarks.compile", "roofline": "benchmarks.roofline",
               "recompute": "benchmarks.recompute", "pipeline_sharded": "benchmarks.pipeline_sharded",
               "ranking": "benchmarks.ranking", "ranking_baselines": "benchmarks.ranking_baselines",
-              "ranking_scale": "benchmarks.ranking_scale"}
+              "ranking_scale": "benchmarks.ranking_scale", "data_parallel": "benchmarks.data_parallel"}
 
 
 def cmd_bench(args) -> int:

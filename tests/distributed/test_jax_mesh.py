@@ -15,6 +15,8 @@ import subprocess
 
 import pytest
 
+from benchmarks import data_parallel
+
 from .common import (ROOT, STEPS, final_params, metrics, subprocess_env, tiny_config, train_command,
                      worst_param_error)
 
@@ -64,6 +66,8 @@ def test_devices_equal_one_device_and_torch_ranks(tmp_path, single_jax, two_rank
         assert dist and dist[0]["world_size"] == n and dist[0]["backend"] == "jax-mesh"
         steps = [t for t in timing if t["kind"] == "train"]
         assert len(steps) == 20 and all(len(t["rank_tokens"]) == n for t in steps)
+        timed = data_parallel.summarise(out)  # what grf bench data_parallel reads of each cell
+        assert timed["steps"] == 15 and timed["tokens_per_s"] > 0
 
 
 def test_resume_across_device_counts_and_backends(tmp_path, single_jax, single_torch):
@@ -99,20 +103,21 @@ def test_refused_at_once_naming_the_fix(tmp_path, args, sets, env, message):
     assert not (out / "checkpoints").exists()
 
 
-def test_hash_table_and_accumulation_on_devices(tmp_path):
-    """A hash table (the global step's ids mapped once, the same rows on every device) and 2
-    micro-batches per step: 2 devices equal 1 device, with the table full and ids left without a row."""
-    sets = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=48", "train.accumulate=2",
-            "train.max_steps=6", *STEPS[1:]]
-    runs = {n: tmp_path / f"devices-{n}" for n in (1, 2)}
+def test_hash_table_accumulation_and_idle_devices(tmp_path):
+    """A hash table (the global step's ids mapped once, the same rows on every device), 2
+    micro-batches of 3 sequences per step on 4 devices (a device holds none of a micro-batch: its
+    share weighs 0): 4 devices equal 1 device, with the table full and ids left without a row."""
+    sets = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=24", "train.accumulate=2",
+            "train.batch_size=3", "train.max_steps=6", *STEPS[1:]]
+    runs = {n: tmp_path / f"devices-{n}" for n in (1, 4)}
     procs = {n: _grf(out, *sets, args=["--backend", "jax", "--devices", str(n)]) for n, out in runs.items()}
     for proc in procs.values():
         _done(proc)
-    err, leaf = worst_param_error(final_params(runs[2]), final_params(runs[1]))
+    err, leaf = worst_param_error(final_params(runs[4]), final_params(runs[1]))
     assert err <= TOL, f"{leaf}: {err:.2e}"
-    one, two = _train_records(runs[1]), _train_records(runs[2])
+    one, two = _train_records(runs[1]), _train_records(runs[4])
     assert len(one) == len(two) == 6
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]) and a["embedding"] == b["embedding"], a["step"]
     table = two[-1]["embedding"]["table"]
-    assert table["occupancy"] == table["capacity"] == 48 and table["overflow"] > 0
+    assert table["occupancy"] == table["capacity"] == 24 and table["overflow"] > 0
