@@ -16,6 +16,7 @@ share the host's cores, so on CPU this measures the overhead of the mesh, not a 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,12 @@ from gr_functional.errors import ConfigError
 from gr_functional.tree import tree_map
 
 FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+COORDINATOR_ENV = "GRF_JAX_COORDINATOR"
 
 
-def _jax_started() -> bool:
-    try:  # a private probe; without it, assume started (then the flag is only checked, not set)
+def jax_started() -> bool:
+    """Has JAX started its backends (after which XLA_FLAGS and jax.distributed are fixed)?"""
+    try:  # a private probe; without it, assume started (then a flag is only checked, not set)
         from jax._src import xla_bridge
 
         return bool(xla_bridge.backends_are_initialized())
@@ -40,7 +43,7 @@ def force_host_devices(n: int) -> None:
     """Ask XLA for ``n`` CPU host devices (``XLA_FLAGS``) unless the user set the flag or JAX has
     started (it reads the flag once, when its CPU client starts). Harmless on GPU/TPU hosts."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and FORCE_DEVICES_FLAG not in flags and not _jax_started():
+    if n > 1 and FORCE_DEVICES_FLAG not in flags and not jax_started():
         os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES_FLAG}={n}".strip()
 
 
@@ -114,15 +117,17 @@ def make_sharded_train_step(B, cfg, devices=None):
     data_sharding = NamedSharding(mesh, P("data"))
 
     def step(params, opt_state, micro, scales, global_tokens):
+        """micro / scales: this process's ranks' rows (all of them in one process)."""
         micro = B.device_put(micro, data_sharding)   # rank r's slice straight to device r
         scales = B.device_put(np.asarray(scales, dtype=np.float32), data_sharding)
-        return sharded(params, opt_state, micro, scales, np.float32(global_tokens))
+        params, opt_state, metrics = sharded(params, opt_state, micro, scales, np.float32(global_tokens))
+        return params, opt_state, local_copy(metrics)  # the host reads them: this process's copy
 
     step.mesh = mesh
     return step
 
 
-def make_sharded_scorer(B, cfg, devices):
+def make_sharded_scorer(B, cfg, devices, params_of=None):
     """``scorer(params, batch) -> scores[n, N+1]`` (``step.score`` of the batch's n histories, in
     their order) with the histories split over the devices of a 1-D mesh "data" in contiguous
     near-equal parts (``batching.split_for_ranks``), each device scoring its part: evaluation
@@ -143,7 +148,13 @@ def make_sharded_scorer(B, cfg, devices):
                                     check_vma=False))
     data_sharding = NamedSharding(mesh, P("data"))
 
+    replicated, placed = NamedSharding(mesh, P()), {}
+
     def scorer(params, batch):
+        if params_of is not None:  # params of a bigger mesh: this process's copy, on these devices
+            if placed.get("of") is not params:
+                placed.update(of=params, on=jax.device_put(params_of(params), replicated))
+            params = placed["on"]
         batch = B.to_numpy_tree(batch)
         n = int(np.count_nonzero(np.asarray(batch.tokens.lengths)))  # every history has >= 1 event
         parts = split_for_ranks(batch, n, len(devices))
@@ -154,32 +165,115 @@ def make_sharded_scorer(B, cfg, devices):
     return scorer
 
 
+def local_copy(tree):
+    """``tree`` with every array replicated over processes (not addressable here as a whole)
+    replaced by this process's copy of it; others unchanged."""
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda x: x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x, tree)
+
+
 class MeshComm(LocalComm):
-    """The collective of a JAX run over a mesh of one process's devices: ``world_size`` ranks,
-    all computed here (``ranks_here``); rank 0 of the host side, which writes OUT. Host-side
-    exchanges are the identity (one process); the gradient all-reduce is inside the step."""
+    """The collective of a JAX run whose ranks are the devices of a mesh: ``devices`` (process-major),
+    ``local_ranks`` the positions of this process's. One process: host-side exchanges are the
+    identity. Several (``jax.distributed``): ``process`` is this one's index (0 writes OUT and
+    evaluates), objects and tags go through the coordination service's key-value store, and a
+    process's fatal error is published there for the others' waits. The gradient all-reduce is
+    inside the step (``make_sharded_train_step``)."""
 
     backend = "jax-mesh"
     concurrent_groups = False
+    mesh = True
 
-    def __init__(self, devices: list):
+    def __init__(self, devices: list, process: int = 0, processes: int = 1, client=None):
         super().__init__()
         self.devices = list(devices)
-        self.world_size = self.ranks_here = len(self.devices)
+        self.world_size = len(self.devices)
+        per = self.world_size // processes
+        self.local_ranks = range(process * per, (process + 1) * per)
+        self.local_devices = self.devices[process * per:(process + 1) * per]
+        self.rank, self.processes, self.is_main = process, processes, process == 0
+        self._client, self._sent = client, 0
+
+    # ---- host-side exchanges between processes (the coordination service's store)
+    def _failed(self) -> str | None:
+        try:
+            return self._client.key_value_try_get("grf/failed")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: nobody failed
+            return None
+
+    def _get(self, key: str, what: str) -> bytes:
+        """The value of ``key``, waited for in 1 s slices so that a peer's published failure ends
+        the wait (a dead peer is the coordination service's heartbeat to find)."""
+        from gr_functional.errors import DistributedError
+
+        while True:
+            failed = self._failed()
+            if failed:
+                raise DistributedError(f"process {self.rank}: stopping: {failed}")
+            try:
+                return self._client.blocking_key_value_get_bytes(key, 1000)
+            except Exception as exc:  # noqa: BLE001 - this slice timed out: check for failures, wait again
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise DistributedError(f"process {self.rank}: the JAX coordination service failed while "
+                                           f"waiting for {what}: {exc}") from None
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.processes == 1:
+            return obj
+        import pickle
+
+        key = f"grf/broadcast/{self._sent}"
+        self._sent += 1
+        if self.rank == src:
+            self._client.key_value_set_bytes(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self._get(key, f"a broadcast from process {src}"))
+
+    def post(self, tag: str) -> None:
+        if self.processes > 1:
+            self._client.key_value_set(f"grf/posted/{tag}", "1")
+
+    def wait_for(self, tag: str) -> None:
+        if self.processes > 1:
+            self._get(f"grf/posted/{tag}", f"process 0 to finish {tag}")
+
+    def fail(self, message: str) -> None:
+        if self.processes > 1:
+            try:
+                if not self._failed():
+                    self._client.key_value_set("grf/failed", f"process {self.rank} failed: {message}")
+            except Exception:  # noqa: BLE001 - the service may be gone already; the error is raised anyway
+                pass
+
+    def shutdown(self) -> None:
+        if self.processes > 1:
+            import jax
+
+            jax.distributed.shutdown()
 
     def all_reduce_sum(self, values) -> np.ndarray:
-        return np.asarray(values, dtype=np.float64)
+        if self.processes == 1:
+            return np.asarray(values, dtype=np.float64)
+        from jax.experimental import multihost_utils
 
-    def gather(self, obj: Any) -> list:
-        return [obj]
+        return np.asarray(multihost_utils.process_allgather(np.asarray(values, dtype=np.float64))).sum(axis=0)
 
+    def gather(self, obj: Any) -> list | None:
+        if self.processes == 1:
+            return [obj]
+        raise NotImplementedError("gathering objects over JAX processes (row-sharded tables are refused on the mesh)")
+
+    # ---- the device side
     def scorer(self, B, cfg):
-        """The evaluation scorer: ``make_sharded_scorer`` over the mesh."""
-        return make_sharded_scorer(B, cfg, self.devices)
+        """The evaluation scorer of process 0: ``make_sharded_scorer`` over its own devices (the
+        other processes do not evaluate), the params' local copy placed on them."""
+        return make_sharded_scorer(B, cfg, self.local_devices, params_of=local_copy if self.processes > 1 else None)
 
     def train_step(self, B, cfg):
         """``step(params, opt_state, micro, scales, global_tokens)``: micro is a list of
-        micro-batches, each the ``world_size`` ranks' numpy batches of one capacity."""
+        micro-batches, each this process's ranks' numpy batches (one capacity for all ranks)."""
         sharded = make_sharded_train_step(B, cfg, self.devices)
 
         def step(params, opt_state, micro, scales, global_tokens):
@@ -189,10 +283,105 @@ class MeshComm(LocalComm):
         return step
 
 
+def coordinator_address() -> str:
+    """Where the processes of a several-process JAX run meet: ``GRF_JAX_COORDINATOR`` (host:port;
+    ``grf train --nproc`` sets a free local port), else torchrun's ``MASTER_ADDR:MASTER_PORT``
+    when the processes were started by hand, or port + 1 under torchrun (its own store holds the port)."""
+    explicit = os.environ.get(COORDINATOR_ENV)
+    if explicit:
+        return explicit
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"several JAX processes meet at a coordinator: set {COORDINATOR_ENV}=HOST:PORT (process "
+                          f"0's host) or MASTER_ADDR and MASTER_PORT, as for torchrun ({', '.join(missing)} missing)")
+    port = int(os.environ["MASTER_PORT"]) + (1 if "TORCHELASTIC_RUN_ID" in os.environ else 0)
+    return f"{os.environ['MASTER_ADDR']}:{port}"
+
+
+def initialize(cfg, processes: int, process: int) -> None:
+    """``jax.distributed.initialize`` of this process (idempotent), with CPU collectives over gloo.
+    The processes must meet within ``10 x dist.timeout_s + max(dist.timeout_s, 5 s)`` (as the
+    torch process group); a process silent for ``max(dist.timeout_s, 5 s)`` is declared dead by
+    the coordination service, which stops the others."""
+    import jax
+
+    from gr_functional.errors import DistributedError
+
+    from .dist_torch import limits
+
+    if jax.distributed.is_initialized():
+        return
+    lim = limits(cfg.dist.timeout_s)
+    address = coordinator_address()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes exchange through gloo
+    # JAX ends the process itself (SIGABRT, its own message) when the processes do not all meet
+    # in time: a process other than 0 first waits for the coordinator to listen, so a coordinator
+    # that never comes is our error, named; process 0 says what it waits for
+    if process == 0:
+        print(f"grf: process 0 of {processes}: hosting the JAX coordinator at {address}; waiting up to "
+              f"{lim.collective_s:g} s for the others (then JAX ends this process)", file=sys.stderr, flush=True)
+    else:
+        _wait_for_listener(address, lim.collective_s, f"process {process}: the JAX coordinator {address} (process 0)")
+    try:
+        jax.distributed.initialize(coordinator_address=address, num_processes=processes, process_id=process,
+                                   initialization_timeout=max(1, int(lim.collective_s)),
+                                   heartbeat_timeout_seconds=max(1, int(lim.dead_after)))
+    except Exception as exc:  # noqa: BLE001 - the service's message says what did not answer
+        raise DistributedError(f"process {process}: the {processes} JAX processes did not meet at the coordinator "
+                               f"{address} within {lim.collective_s:g} s (10 x dist.timeout_s + "
+                               f"{lim.dead_after:g} s): {exc}. Start every process with the same coordinator "
+                               f"({COORDINATOR_ENV} or MASTER_ADDR/MASTER_PORT), WORLD_SIZE and its own RANK") from None
+
+
+def _wait_for_listener(address: str, within_s: float, what: str) -> None:
+    """Return once ``address`` (host:port) accepts a TCP connection; ``DistributedError`` after ``within_s``."""
+    import socket
+    import time
+
+    from gr_functional.errors import DistributedError
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise DistributedError(f"{what} did not answer within {within_s:g} s (10 x dist.timeout_s + "
+                                       f"max(dist.timeout_s, 5 s)): {exc}. Start process 0 (RANK=0) with the same "
+                                       f"coordinator ({COORDINATOR_ENV} or MASTER_ADDR/MASTER_PORT)") from None
+            time.sleep(0.2)
+
+
 def join(cfg) -> MeshComm:
-    """The mesh of ``cfg.dist.devices`` devices of ``backend.device``'s platform (default JAX's)."""
-    force_host_devices(cfg.dist.devices)
-    return MeshComm(mesh_devices(cfg.dist.devices, cfg.backend.device or None))
+    """The mesh of ``cfg.dist.devices`` (at least 1) devices of ``backend.device``'s platform
+    (default JAX's) of each process: one process, or ``WORLD_SIZE`` processes (``RANK`` this one)
+    joined by ``jax.distributed`` (``initialize``, called first)."""
+    import jax
+
+    processes, process = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    per = max(1, cfg.dist.devices)
+    force_host_devices(per)
+    if processes > 1:
+        initialize(cfg, processes, process)
+    mesh_devices(per, cfg.backend.device or None)  # enough devices here, or a ConfigError saying how
+    platform = cfg.backend.device or None
+    everyone = jax.devices(platform) if platform else jax.devices()
+    by_process = {p: sorted((d for d in everyone if d.process_index == p), key=lambda d: d.id)
+                  for p in range(processes)}
+    short = {p: len(ds) for p, ds in by_process.items() if len(ds) < per}
+    if short:
+        raise ConfigError(f"dist.devices={per}: process(es) {sorted(short)} have only {sorted(set(short.values()))} "
+                          f"device(s); every process trains the same number of ranks (an even mesh): start each "
+                          f"with the same --devices, no more than its devices")
+    devices = [d for p in range(processes) for d in by_process[p][:per]]
+    client = None
+    if processes > 1:
+        from jax._src import distributed  # the coordination service's key-value store: no public handle
+
+        client = distributed.global_state.client
+    return MeshComm(devices, process, processes, client)
 
 
 # ----------------------------------------------------------------------------- row-sharded tables

@@ -223,7 +223,7 @@ class TorchCollective:
         self._torch, self._dist = torch, dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.ranks_here = 1
+        self.mesh = False  # one rank per process (a JAX mesh: backends/dist_jax.py)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_main = self.rank == 0
         self.backend = dist.get_backend()

@@ -72,34 +72,41 @@ class JaxBackend(Backend):
     LOW_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
     @classmethod
-    def prepare_process(cls, *, attention_recompute: bool = False, devices: int = 1) -> None:
-        """With ``attention_recompute``: add ``LOW_MEMORY_FLAG`` to ``XLA_FLAGS`` unless the user
-        set that flag; it is read when JAX starts its CPU client, so a process that already ran
-        JAX keeps its scheduler (a warning says so). ``devices`` > 1: ask XLA for that many CPU
-        host devices (``dist_jax.force_host_devices``)."""
+    def prepare_process(cls, cfg) -> None:
+        """Before JAX starts: with ``backend.attention_recompute``, add ``LOW_MEMORY_FLAG`` to
+        ``XLA_FLAGS`` unless the user set that flag (read when JAX starts its CPU client, so a
+        process that already ran JAX keeps its scheduler: a warning says so); ``dist.devices`` > 1:
+        ask XLA for that many CPU host devices; ``WORLD_SIZE`` > 1: join the other processes
+        (``jax.distributed``, backends/dist_jax.py), which JAX allows only before it computes."""
         import os
         import warnings
 
-        dist_jax.force_host_devices(devices)
+        dist_jax.force_host_devices(max(1, cfg.dist.devices))
         flags = os.environ.get("XLA_FLAGS", "")
-        if not attention_recompute or "xla_cpu_enable_concurrency_optimized_scheduler" in flags:
-            return
-        try:  # a private probe: without it, set the flag anyway (harmless once JAX has started)
-            from jax._src import xla_bridge
+        if cfg.backend.attention_recompute and "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+            if dist_jax.jax_started():
+                warnings.warn(f"backend.attention_recompute on JAX: XLA's CPU scheduler keeps most of the recomputed "
+                              f"attention's memory unless XLA_FLAGS={cls.LOW_MEMORY_FLAG} is set before JAX starts; "
+                              f"this process already started JAX (set it in the environment)")
+            else:
+                os.environ["XLA_FLAGS"] = f"{flags} {cls.LOW_MEMORY_FLAG}".strip()
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if processes > 1:
+            dist_jax.initialize(cfg, processes, int(os.environ.get("RANK", "0")))
 
-            started = xla_bridge.backends_are_initialized()
-        except (ImportError, AttributeError):  # no jax: get_backend says so clearly
-            started = False
-        if started:
-            warnings.warn(f"backend.attention_recompute on JAX: XLA's CPU scheduler keeps most of the recomputed "
-                          f"attention's memory unless XLA_FLAGS={cls.LOW_MEMORY_FLAG} is set before JAX starts; "
-                          f"this process already started JAX (set it in the environment)")
-            return
-        os.environ["XLA_FLAGS"] = f"{flags} {cls.LOW_MEMORY_FLAG}".strip()
+    @classmethod
+    def launch_env(cls) -> dict:
+        """The processes' coordinator: a free port on this host (torchrun's store holds MASTER_PORT)."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return {dist_jax.COORDINATOR_ENV: f"127.0.0.1:{sock.getsockname()[1]}"}
 
     @classmethod
     def join(cls, cfg):
-        """``dist.devices`` ranks on this process's devices, a 1-D mesh (backends/dist_jax.py)."""
+        """Ranks on the devices of a 1-D mesh: ``dist.devices`` of this process, or of each of
+        ``WORLD_SIZE`` processes (backends/dist_jax.py ``join``)."""
         return dist_jax.join(cfg), None
 
     @property
@@ -116,11 +123,19 @@ class JaxBackend(Backend):
 
     def device_put(self, tree, sharding):
         """``tree`` (numpy or jax leaves, batch dataclasses included) placed per ``sharding``
-        (``jax.sharding``: e.g. rank r's slice on device r of a mesh, backends/dist_jax.py)."""
+        (``jax.sharding``: e.g. rank r's slice on device r of a mesh, backends/dist_jax.py). Over
+        several processes each passes the rows of its own devices (process-local data)."""
+        jax = self._jax
         _register_dataclasses(tree)
-        return self._jax.device_put(tree, sharding)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
     def to_numpy(self, x) -> np.ndarray:
+        if isinstance(x, self._jax.Array) and not x.is_fully_addressable:
+            if not x.sharding.is_fully_replicated:
+                raise ValueError(f"an array sharded over several processes ({x.sharding}) has no host copy here")
+            x = x.addressable_data(0)  # replicated over processes (params of a JAX mesh): this process's copy
         return np.asarray(x)
 
     def value_and_grad(self, f: Callable, has_aux: bool = False) -> Callable:

@@ -68,9 +68,15 @@ class ArrayRuntime:
         return view
 
     @classmethod
-    def prepare_process(cls, *, attention_recompute: bool = False, devices: int = 1) -> None:
-        """Process-wide settings a config asks of this backend, applied before the backend starts
-        (``runtime.prepare_process``; ``devices``: ``dist.devices``). Default: none."""
+    def prepare_process(cls, cfg) -> None:
+        """Process-wide settings ``cfg`` asks of this backend, applied before the backend starts
+        (``gr_functional.runtime.prepare_process``). Default: none."""
+
+    @classmethod
+    def launch_env(cls) -> dict:
+        """Environment ``grf train --nproc N`` adds for the processes it starts on this host
+        (beside torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Default: none."""
+        return {}
 
     @classmethod
     def join(cls, cfg) -> tuple[Any, str | None]:

@@ -90,17 +90,16 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     import shutil
     import subprocess
 
-    from backends import dist_torch
+    from backends import backend_class, dist_torch
 
     from .config import ConfigError, parse_override, replace, validate as config_rules
-    from .runner import DIST_TORCH_BACKENDS
+    from .runner import MULTI_PROCESS_BACKENDS
     from .configure import validate
 
     validate(cfg)  # user errors once, before N processes start
-    if cfg.backend.name not in DIST_TORCH_BACKENDS:
-        raise ConfigError(f"--nproc {nproc}: multi-process training runs the torch backends "
-                          f"({', '.join(DIST_TORCH_BACKENDS)}), not backend.name={cfg.backend.name!r}; "
-                          f"JAX trains data-parallel on the devices of one process: --devices {nproc}")
+    if cfg.backend.name not in MULTI_PROCESS_BACKENDS:
+        raise ConfigError(f"--nproc {nproc}: multi-process training runs the backends "
+                          f"{', '.join(MULTI_PROCESS_BACKENDS)}, not backend.name={cfg.backend.name!r}")
     # what a launched rank would refuse with dist.nproc = N (embedding.node_size must divide it):
     # refused here, in one line, before torchrun starts (the config read above had the file's nproc)
     origins = {parse_override(item)[:2]: f"--set {item}" for item in args.set or []}
@@ -111,6 +110,8 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
         argv += ["--config", str(args.config)]
     if args.backend:
         argv += ["--backend", args.backend]
+    if args.devices is not None:
+        argv += ["--devices", str(args.devices)]
     for item in args.set or []:
         argv += ["--set", item]
     for plugin in args.plugin or []:
@@ -124,7 +125,8 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     log.say(f"launching {nproc} ranks: {' '.join(cmd[1:])}")
     dist_torch.reap_exit_dirs()  # temp folders of launchers that were killed
     exit_dir = dist_torch.make_exit_dir()
-    env = {**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir, dist_torch.LAUNCHER_PID_ENV: str(os.getpid())}
+    env = {**os.environ, dist_torch.EXIT_DIR_ENV: exit_dir, dist_torch.LAUNCHER_PID_ENV: str(os.getpid()),
+           **backend_class(cfg.backend.name).launch_env()}
     try:
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_torchrun_preexec())
         try:
@@ -413,9 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete OUT/checkpoints and train from step 0")
     t.add_argument("--nproc", type=int, default=None,
                    help="data-parallel processes on this host (default dist.nproc, 1); > 1 starts them through "
-                        "torch.distributed.run (torchrun). For several hosts run torchrun yourself (README)")
+                        "torch.distributed.run (torchrun); JAX processes join one mesh (jax.distributed). For "
+                        "several hosts see docs/guides/distributed.md")
     t.add_argument("--devices", type=int, default=None,
-                   help="JAX: train data-parallel on N devices of this process, one rank each (dist.devices; on "
+                   help="JAX: train data-parallel on N devices of each process, one rank each (dist.devices; on "
                         "CPU, N XLA host devices)")
     t.set_defaults(fn=cmd_train, config=None)
 

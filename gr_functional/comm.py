@@ -13,7 +13,7 @@ class LocalComm:
     has one path for one process and for N (``backends.dist_torch.TorchCollective``)."""
 
     world_size = 1
-    ranks_here = 1  # ranks this process computes (a JAX mesh: its devices, backends/dist_jax.py)
+    mesh = False  # are the ranks devices of a JAX mesh, stepped together (backends/dist_jax.py)?
     rank = 0
     is_main = True
     backend = "local"

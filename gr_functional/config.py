@@ -345,7 +345,8 @@ class OpsConfig:
 
 @dataclass(frozen=True)
 class DistConfig:
-    """Multi-process data-parallel training (docs/guides/distributed.md "Distributed training"; torch backends only).
+    """Data-parallel training (docs/guides/distributed.md "Distributed training"): torch ranks are
+    processes; JAX ranks are the devices of a mesh over one process or several.
 
     ``train.batch_size`` stays the GLOBAL batch: every rank builds the same global batch (same
     users, negatives and dropout masks as a single-process run) and trains the sequences the
@@ -353,16 +354,17 @@ class DistConfig:
     ``1 / (global supervised tokens)``, so N ranks compute the single-process update.
     """
 
-    # Process-group backend: "gloo" (CPU; the one verified here), "nccl" (CUDA), "hccl" (Ascend,
-    # needs torch_npu). Devices: nccl/hccl ranks use cuda:LOCAL_RANK / npu:LOCAL_RANK unless
-    # backend.device names one.
+    # torch's process-group backend: "gloo" (CPU; the one verified here), "nccl" (CUDA), "hccl"
+    # (Ascend, needs torch_npu); JAX processes exchange through XLA (gloo on CPU). Devices:
+    # nccl/hccl ranks use cuda:LOCAL_RANK / npu:LOCAL_RANK unless backend.device names one.
     backend: DistBackend = "gloo"
     # Processes on this host that `grf train` starts (through torch.distributed.run) when > 1.
     # Under torchrun the world size comes from WORLD_SIZE and is written back here.
     nproc: int = _range(1, ge=1)
-    # JAX (backends/dist_jax.py): devices of this process that train as ranks of a 1-D mesh,
-    # each its dist.balance share of every global batch (0 or 1: one device). On CPU, grf asks
-    # XLA for that many host devices. torch and npu run one rank per process: dist.nproc.
+    # JAX (backends/dist_jax.py): devices of each process that train as ranks of a 1-D mesh,
+    # each its dist.balance share of every global batch (0 or 1: one device); the ranks are
+    # dist.nproc x devices. On CPU, grf asks XLA for that many host devices. torch and npu run
+    # one rank per process.
     devices: int = _range(0, ge=0)
     # Which sequences of a global batch each rank trains: "none" (contiguous equal-count
     # slices), "kk" (equal-count Karmarkar-Karp + exchange refinement on a*L^2 + b*L per
@@ -734,7 +736,7 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
                                    f"set backend.compile=false")
     if cfg.model.task == "ranking":
         _validate_ranking(cfg, fail)
-    if cfg.dist.devices > 1:
+    if cfg.dist.devices > 1 or (b.name == "jax" and cfg.dist.nproc > 1):
         _validate_devices(cfg, fail)
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
         fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
@@ -786,20 +788,19 @@ def cutoff_ms(text: str) -> int:
 
 
 def _validate_devices(cfg: Config, fail) -> None:
-    """dist.devices > 1: a JAX mesh of one process's devices (backends/dist_jax.py)."""
-    if cfg.backend.name != "jax":
-        fail("dist", "devices", f"trains ranks as the devices of one JAX process; backend.name="
+    """dist.devices > 1, or several JAX processes: the ranks are devices of a JAX mesh
+    (backends/dist_jax.py)."""
+    key = "devices" if cfg.dist.devices > 1 else "nproc"
+    if cfg.dist.devices > 1 and cfg.backend.name != "jax":
+        fail("dist", "devices", f"trains ranks as the devices of JAX processes; backend.name="
                                 f"{cfg.backend.name!r} runs one rank per process: use --nproc N (dist.nproc), "
                                 f"or --backend jax")
-    elif cfg.dist.nproc > 1:
-        fail("dist", "devices", "a JAX mesh runs in one process here; set dist.nproc = 1 (several JAX processes "
-                                "are not supported yet)")
     if cfg.model.task != "retrieval":
-        fail("dist", "devices", f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel "
-                                f"as torch ranks (--backend torch --nproc N)")
+        fail("dist", key, f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel as "
+                          f"torch ranks (--backend torch --nproc N)")
     if cfg.embedding.sharding == "row":
-        fail("dist", "devices", "a row-sharded table runs on torch ranks (--backend torch --nproc N); on the JAX "
-                                "mesh the table is replicated: set embedding.sharding = 'replicated'")
+        fail("dist", key, "a row-sharded table runs on torch ranks (--backend torch --nproc N); on the JAX mesh the "
+                          "table is replicated: set embedding.sharding = 'replicated'")
 
 
 def _validate_ranking(cfg: Config, fail) -> None:

@@ -224,11 +224,12 @@ class RankSteps:
 
 
 class MeshSteps:
-    """Steps of a run whose ranks are the devices of this process (``comm.ranks_here > 1``: a JAX
-    mesh, backends/dist_jax.py): every rank's share of each global batch, padded to one capacity
-    (``TrainLoader.ranks_epoch``), goes to the mesh's step (``comm.train_step``) with each rank's
-    token weights (``step.rank_scales``): the shares, weights and update of the torch ranks'
-    ``RankSteps``. With a hash table, the rows of the global step's ids as ``RankSteps``."""
+    """Steps of a run whose ranks are the devices of a JAX mesh (``comm.mesh``, backends/dist_jax.py),
+    over one process or several: this process's ranks' shares of each global batch, padded to one
+    capacity for every rank (``TrainLoader.ranks_epoch``), go to the mesh's step
+    (``comm.train_step``) with their token weights (``step.rank_scales``): the shares, weights and
+    update of the torch ranks' ``RankSteps``. With a hash table, the rows of the global step's ids
+    as ``RankSteps``."""
 
     def __init__(self, B, cfg: Config, loader, comm, host=None):
         self.loader, self.comm, self.k, self.ids = loader, comm, cfg.train.accumulate, BatchIds()
@@ -238,9 +239,10 @@ class MeshSteps:
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
         """The steps of epoch ``epoch`` from batch ``start`` (lists of micro-batches, each a list
-        of every rank's ``RankBatch``), at most ``limit`` of them."""
-        steps = step_groups(self.loader.ranks_epoch(epoch, start, with_ids=self.host is not None,
-                                                    prefetch=self.prefetch, stats=self.prefetch_stats), self.k)
+        of this process's ranks' ``RankBatch``es), at most ``limit`` of them."""
+        steps = step_groups(self.loader.ranks_epoch(epoch, start, ranks=self.comm.local_ranks,
+                                                    with_ids=self.host is not None, prefetch=self.prefetch,
+                                                    stats=self.prefetch_stats), self.k)
         return itertools.islice(steps, limit)
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
@@ -249,21 +251,22 @@ class MeshSteps:
         if self.host is not None:
             localize, stats = global_step_rows(self.host, [ranks[0].step_ids for ranks in micro], step, self.ids)
             batches = [[localize(b) for b in ranks] for ranks in batches]
-        R, G = self.comm.world_size, sum(ranks[0].global_tokens for ranks in micro)
-        scales = [rank_scales([ranks[r].tokens for ranks in micro], G, R) for r in range(R)]  # [R, k]
+        G = sum(ranks[0].global_tokens for ranks in micro)
+        scales = [rank_scales([ranks[i].tokens for ranks in micro], G, self.comm.world_size)
+                  for i in range(len(micro[0]))]  # [local ranks, k]
         params, opt_state, m = self.fn(params, opt_state, batches, scales, G)
-        rank_tokens = sum(ranks[0].rank_tokens for ranks in micro)
+        rank_tokens = sum(ranks[0].rank_tokens for ranks in micro)  # every rank's, global
         return params, opt_state, StepResult(step, epoch, m, int(rank_tokens.sum()),
                                              rank_tokens=[int(x) for x in rank_tokens],
                                              embedding=lookup_record(self.host, stats))
 
 
 def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
-    """The step runner of this process: one place chooses between one process, one rank, and
-    several ranks on this process's devices."""
+    """The step runner of this process: one place chooses between one process, one rank of
+    torch's, and the ranks of a JAX mesh."""
     if comm.world_size == 1:
         return LocalSteps(B, cfg, loader, host)
-    if comm.ranks_here > 1:
+    if comm.mesh:
         return MeshSteps(B, cfg, loader, comm, host)
     return RankSteps(B, cfg, loader, comm, host, shard)
 

@@ -65,7 +65,7 @@ from .runtime import make_backend, prepare_process
 from .task import Task, get_task
 from .step import init_opt_state
 
-DIST_TORCH_BACKENDS = ("torch", "npu")
+MULTI_PROCESS_BACKENDS = ("torch", "npu", "jax")
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -107,20 +107,19 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     # a Config built in code: its losses / datasets / kernels, recorded as absolute paths
     cfg = replace(cfg, train={"plugins": tuple(normalise(e) for e in cfg.train.plugins)})
     import_plugins(cfg.train.plugins)
+    processes = world_size()
+    if processes > 1:
+        if cfg.backend.name not in MULTI_PROCESS_BACKENDS:
+            raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the backends "
+                              f"{', '.join(MULTI_PROCESS_BACKENDS)}")
+        cfg = replace(cfg, dist={"nproc": processes})  # the resolved config records the real world size
     validate(cfg)
     # what the script calling grf.fit registered itself: recorded, so a resume or grf eval finds it
     cfg = replace(cfg, train={"plugins": cfg.train.plugins + plugins_in_use(cfg)})
     prepare_process(cfg)  # before anything asks the array library about its devices (memory.check_fits)
     task = get_task(cfg.model.task)
-    processes = world_size()
     world = processes * max(1, cfg.dist.devices)  # data-parallel ranks: processes x devices of each
     task.check(cfg, world)
-    if processes > 1:
-        if cfg.backend.name not in DIST_TORCH_BACKENDS:
-            raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the torch backends "
-                              f"({', '.join(DIST_TORCH_BACKENDS)}); JAX trains data-parallel on the devices of one "
-                              f"process: --devices N (dist.devices)")
-        cfg = replace(cfg, dist={"nproc": processes})  # the resolved config records the real world size
     out = Path(out_dir)
     prepared = task.prepare(cfg, world)
     cfg = prepared.cfg

@@ -9,8 +9,7 @@ from .config import Config
 def prepare_process(cfg: Config) -> None:
     """The process-wide settings ``cfg`` asks of its backend, before the backend (or anything that
     asks the array library about its devices) starts: ``Backend.prepare_process``. Idempotent."""
-    backend_class(cfg.backend.name).prepare_process(attention_recompute=cfg.backend.attention_recompute,
-                                                    devices=max(1, cfg.dist.devices))
+    backend_class(cfg.backend.name).prepare_process(cfg)
 
 
 def make_backend(cfg: Config, device: str | None = None):

@@ -455,22 +455,25 @@ class TrainLoader:
                          np.bincount(assign, weights=self.split.costs(tok), minlength=R), step_ids)
 
     def rank_batches(self, epoch: int, step: int, *, capacity: str | tuple[int, int] = "common",
-                     with_ids: bool = False) -> list[RankBatch]:
-        """Every rank's share of global batch ``step`` (a JAX mesh's step, backends/dist_jax.py,
-        and tests). ``capacity="common"`` (default) pads all to one ladder capacity (the largest
-        share's), so they stack into ``[R, ...]`` arrays; otherwise as ``slice_batch``.
-        ``with_ids``: as ``rank_batch``'s."""
+                     with_ids: bool = False, ranks=None) -> list[RankBatch]:
+        """The shares of global batch ``step`` of ``ranks`` (default every rank; a JAX mesh's step,
+        backends/dist_jax.py, and tests). ``capacity="common"`` (default) pads them to one ladder
+        capacity, the largest share's of ALL ranks, so every process's stack into ``[R, ...]``
+        arrays of one shape; otherwise as ``slice_batch``. ``with_ids``: as ``rank_batch``'s, on
+        the first of them."""
         whole = self.batch(epoch, step)
         if capacity == "common":
             capacity = common_capacity(whole, self.rank_assignment(epoch, step), self.split.world_size)
-        return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole, with_ids=with_ids and r == 0)
-                for r in range(self.split.world_size)]
+        ranks = list(range(self.split.world_size) if ranks is None else ranks)
+        return [self.rank_batch(epoch, step, r, capacity=capacity, global_batch=whole,
+                                with_ids=with_ids and r == ranks[0]) for r in ranks]
 
-    def ranks_epoch(self, e: int, start_step: int = 0, *, with_ids: bool = False, prefetch: int = 0,
+    def ranks_epoch(self, e: int, start_step: int = 0, *, ranks=None, with_ids: bool = False, prefetch: int = 0,
                     stats: PrefetchStats | None = None) -> Iterator[list[RankBatch]]:
-        """Like ``epoch`` but yields every rank's share of each global batch (``rank_batches``,
-        one capacity; ``with_ids``: the step's distinct ids on rank 0's); moves the position the same way."""
-        return self._advance(e, start_step, lambda s: self.rank_batches(e, s, with_ids=with_ids), prefetch, stats)
+        """Like ``epoch`` but yields the shares of ``ranks`` (default all) of each global batch
+        (``rank_batches``: one capacity); moves the position the same way."""
+        return self._advance(e, start_step, lambda s: self.rank_batches(e, s, with_ids=with_ids, ranks=ranks),
+                             prefetch, stats)
 
     def rank_epoch(self, e: int, start_step: int = 0, *, rank: int,
                    capacity: str | tuple[int, int] = "exact", with_ids: bool = False, prefetch: int = 0,

@@ -173,8 +173,8 @@ class RetrievalTask(Task):
         if state.shard is not None:
             return Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir,
                               view=gathered_view(B, cfg, comm, state.shard))
-        # the ranks of a mesh (comm.ranks_here > 1, backends/dist_jax.py) score their share of each batch
-        scorer = comm.scorer(B, cfg) if comm.ranks_here > 1 else make_scorer(B, cfg)
+        # the ranks of a mesh (comm.mesh, backends/dist_jax.py) score their share of each batch
+        scorer = comm.scorer(B, cfg) if comm.mesh else make_scorer(B, cfg)
         return Evaluation(partial(evaluate, host=state.host), splits, data.candidates, scorer, ckdir)
 
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:
