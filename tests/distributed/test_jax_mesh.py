@@ -67,7 +67,7 @@ def test_devices_equal_one_device_and_torch_ranks(tmp_path, single_jax, two_rank
         steps = [t for t in timing if t["kind"] == "train"]
         assert len(steps) == 20 and all(len(t["rank_tokens"]) == n for t in steps)
         timed = data_parallel.summarise(out)  # what grf bench data_parallel reads of each cell
-        assert timed["steps"] == 15 and timed["tokens_per_s"] > 0
+        assert timed["steps"] == 10 and timed["tokens_per_s"] > 0
 
 
 def test_resume_across_device_counts_and_backends(tmp_path, single_jax, single_torch):
