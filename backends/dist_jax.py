@@ -22,8 +22,18 @@ from typing import Any
 import numpy as np
 
 from gr_functional.comm import LocalComm
-from gr_functional.errors import ConfigError
+from gr_functional.data.batching import split_for_ranks
+from gr_functional.embedding import rowopt
+from gr_functional.embedding.hashtable import hashed_init
+from gr_functional.embedding.sharding import make_sharded, owners
+from gr_functional.errors import ConfigError, DistributedError
+from gr_functional.jagged import round_up_capacity
+from gr_functional.optim import learning_rate
+from gr_functional.optimizers import all_finite
+from gr_functional.step import TABLE, apply_update, local_params, rank_grads, score
 from gr_functional.tree import tree_map
+
+from .dist_torch import limits
 
 FORCE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 COORDINATOR_ENV = "GRF_JAX_COORDINATOR"
@@ -94,8 +104,6 @@ def make_sharded_train_step(B, cfg, devices=None):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from gr_functional.step import apply_update, local_params, rank_grads
-
     devices = list(devices or jax.devices())
     mesh = Mesh(np.array(devices), ("data",))
 
@@ -135,9 +143,6 @@ def make_sharded_scorer(B, cfg, devices, params_of=None):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from gr_functional.data.batching import split_for_ranks
-    from gr_functional.step import score
 
     mesh = Mesh(np.array(devices), ("data",))
 
@@ -206,7 +211,6 @@ class MeshComm(LocalComm):
     def _get(self, key: str, what: str) -> bytes:
         """The value of ``key``, waited for in 1 s slices so that a peer's published failure ends
         the wait (a dead peer is the coordination service's heartbeat to find)."""
-        from gr_functional.errors import DistributedError
 
         while True:
             failed = self._failed()
@@ -271,6 +275,20 @@ class MeshComm(LocalComm):
         other processes do not evaluate), the params' local copy placed on them."""
         return make_sharded_scorer(B, cfg, self.local_devices, params_of=local_copy if self.processes > 1 else None)
 
+    def sharded_table(self, B, cfg, dense_rows=None) -> "MeshTable":
+        """The item table row-sharded over the mesh (``embedding.sharding = "row"``)."""
+        return MeshTable(B, cfg, self, dense_rows)
+
+    def table_step(self, B, cfg):
+        """``make_sharded_table_step`` over the mesh, micro-batches as ``train_step``'s."""
+        sharded = make_sharded_table_step(B, cfg, self.devices)
+
+        def step(params, opt_state, micro, scales, global_tokens, values, state, plan):
+            return sharded(params, opt_state, [stack_rank_batches(parts) for parts in micro], scales, global_tokens,
+                           values, state, plan)
+
+        return step
+
     def train_step(self, B, cfg):
         """``step(params, opt_state, micro, scales, global_tokens)``: micro is a list of
         micro-batches, each this process's ranks' numpy batches (one capacity for all ranks)."""
@@ -305,9 +323,6 @@ def initialize(cfg, processes: int, process: int) -> None:
     the coordination service, which stops the others."""
     import jax
 
-    from gr_functional.errors import DistributedError
-
-    from .dist_torch import limits
 
     if jax.distributed.is_initialized():
         return
@@ -337,8 +352,6 @@ def _wait_for_listener(address: str, within_s: float, what: str) -> None:
     """Return once ``address`` (host:port) accepts a TCP connection; ``DistributedError`` after ``within_s``."""
     import socket
     import time
-
-    from gr_functional.errors import DistributedError
 
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + within_s
@@ -400,8 +413,6 @@ def make_sharded_table_ops(B, optimizer: str, opt_cfg, devices=None):
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from gr_functional.embedding import rowopt
-
     mesh = Mesh(np.array(list(devices or jax.devices())), ("data",))
 
     def lookup_local(values, req):
@@ -423,3 +434,203 @@ def make_sharded_table_ops(B, optimizer: str, opt_cfg, devices=None):
     push = jax.jit(jax.shard_map(push_local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P("data"), P()),
                                  out_specs=(P("data"), P("data"))))
     return lookup, push
+
+
+# ----------------------------------------------------------------------------- a row-sharded table on the mesh
+class _Owner:
+    """What a ``ShardedTable`` asks of its collective when it only keeps a mesh rank's host side:
+    its rank and the world size (``MeshTable`` runs the exchange on the devices)."""
+
+    mesh = False
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+
+class MeshTable:
+    """A row-sharded item table (``embedding.sharding = "row"``) on the mesh of one JAX process:
+    rank o's device holds the rows ``embedding.sharding.owners`` gives o, and their row-sparse
+    optimizer state. Each owner's host side (the hash table's id -> row map, the dense table's
+    row of each id, counters, checkpoint export / load, re-sharding) is a
+    ``embedding.sharding.ShardedTable``, as on torch ranks, so checkpoints are the same files and
+    a run moves between torch ranks and JAX devices.
+
+    The requests are planned on the host (``plan``): the process builds the whole global batch,
+    so it knows every rank's ids; each owner deduplicates what all ranks ask of it and maps the ids
+    to its rows in the order a torch owner does. Rows and gradients travel between the devices by
+    ``jax.lax.all_to_all`` inside the step (``make_sharded_table_step``): the owner gathers the
+    rows (fresh rows at their initial value), sends each rank the rows it asked for, receives the
+    ranks' row gradients, sums them per row (``segment_sum``) and applies the row-sparse
+    optimizer, skipped everywhere when any rank's step is not finite."""
+
+    def __init__(self, B, cfg, comm, dense_rows=None):
+
+        R = comm.world_size
+        self.B, self.cfg, self.comm, self.world = B, cfg, comm, R
+        self.owners = [make_sharded(B, cfg, _Owner(o, R), dense_rows) for o in range(R)]
+        self.dim, self.kind = self.owners[0].dim, self.owners[0].kind
+        self.optimizer = cfg.embedding.optimizer
+        self._to_devices()
+
+    # ---- the rows between the owners' host objects and the mesh
+    def _to_devices(self) -> None:
+        """The owners' values and state, stacked ``[R, n, ...]``, onto the mesh (rank o's on device o)."""
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        B = self.B
+        sharding = NamedSharding(Mesh(np.array(self.comm.devices), ("data",)), P("data"))
+        self.values = B.device_put(np.stack([B.to_numpy(t.values) for t in self.owners]), sharding)
+        self.state = {k: B.device_put(np.stack([B.to_numpy(t.state[k]) for t in self.owners]), sharding)
+                      for k in self.owners[0].state}
+        for t in self.owners:  # the mesh holds them now
+            t.values, t.state = None, None
+
+    def _from_devices(self) -> None:
+        B = self.B
+        values = B.to_numpy(self.values)
+        state = {k: B.to_numpy(v) for k, v in self.state.items()}
+        for o, t in enumerate(self.owners):
+            t.values, t.state = B.asarray(values[o]), {k: B.asarray(v[o]) for k, v in state.items()}
+
+    def export_all(self, comm=None) -> list:
+        """Every owner's ``ShardedTable.export`` (the checkpoint's ``shards``, rank order)."""
+        self._from_devices()
+        try:
+            return [t.export() for t in self.owners]
+        finally:
+            for t in self.owners:
+                t.values, t.state = None, None
+
+    def load(self, shards: list) -> None:
+        """The owners' rows from a checkpoint's ``shards`` (any world size: re-sharded by id)."""
+        self._from_devices()
+        for t in self.owners:
+            t.load(shards)
+        self._to_devices()
+
+    def counters(self) -> dict:
+        """The hash table's counters summed over owners ({} for a dense table)."""
+        per = [t.counters() for t in self.owners]
+        return {k: sum(c[k] for c in per) for k in per[0]} if per[0] else {}
+
+    @property
+    def bytes(self) -> dict:
+        return {k: sum(t.bytes[k] for t in self.owners) for k in self.owners[0].bytes}
+
+    # ---- a step's plan
+    def plan(self, ids: list, step: int) -> tuple[dict, list]:
+        """``(arrays, per_rank)`` for ``make_sharded_table_step`` from ``ids[r]`` (rank r's
+        distinct ids, int64 increasing): arrays ``own_rows[R, M]`` int32 (each owner's rows this
+        step, 0 padding), ``own_fresh[R, M]``, ``own_init[R, M, D]`` (fresh rows' initial values),
+        ``own_pos[R, R, C]`` int32 (owner o's slot of the c-th id rank r asks of it; M - 1, a
+        row-0 slot, for padding) and ``perm[R, U]`` int32 (rank r's k-th id's place in the rows
+        it receives, ``R * C`` for padding); per_rank: ``admitted[len(ids[r])]`` bool (the id has
+        a row; the others read zeros). The owners' maps change as a torch owner's do."""
+
+        R, D = self.world, self.dim
+        own = [owners(u, R, self.kind) for u in ids]
+        counts = np.array([[int((o == q).sum()) for q in range(R)] for o in own], np.int64)   # [r, o]
+        C = round_up_capacity(int(counts.max()), 1)
+        mine = [np.unique(np.concatenate([u[o == q] for u, o in zip(ids, own)])) for q in range(R)]
+        M = round_up_capacity(max(len(m) for m in mine) + 1)
+        own_rows, own_fresh = np.zeros((R, M), np.int32), np.zeros((R, M), bool)
+        own_init, own_pos = np.zeros((R, M, D), np.float32), np.full((R, R, C), M - 1, np.int32)
+        got_rows = []
+        for q, t in enumerate(self.owners):
+            if t.table is None:
+                rows, fresh = t._dense_rows_of(mine[q]), np.zeros(len(mine[q]), bool)
+            else:
+                got = t.table.assign(mine[q], step)
+                rows, fresh = got.rows, got.fresh
+            n = len(mine[q])
+            own_rows[q, :n], own_fresh[q, :n] = rows, fresh
+            if fresh.any():
+                own_init[q, :n][fresh] = (hashed_init(t.seed, mine[q][fresh], D) if t.dense_rows is None
+                                          else t.dense_rows[mine[q][fresh]])
+            got_rows.append(rows)
+        U = round_up_capacity(max(len(u) for u in ids) + 1) - 1
+        perm, admitted = np.full((R, U), R * C, np.int32), []
+        for r, (u, o) in enumerate(zip(ids, own)):
+            ok = np.zeros(len(u), bool)
+            for q in range(R):
+                take = np.flatnonzero(o == q)
+                pos = np.searchsorted(mine[q], u[take])
+                own_pos[q, r, :len(take)] = pos
+                perm[r, take] = q * C + np.arange(len(take))
+                ok[take] = got_rows[q][pos] > 0
+            admitted.append(ok)
+        # the bytes a torch exchange sends (the padding of the fixed capacities is not counted)
+        row_bytes = 4 * D
+        for r in range(R):
+            self.owners[r]._count("ids", counts[r], 8)
+            self.owners[r]._count("rows", counts[:, r], row_bytes)
+            self.owners[r]._count("grads", counts[r], row_bytes)
+        return {"own_rows": own_rows, "own_fresh": own_fresh, "own_init": own_init, "own_pos": own_pos,
+                "perm": perm}, admitted
+
+
+def make_sharded_table_step(B, cfg, devices):
+    """The data-parallel step of a mesh whose item table is row-sharded (``MeshTable``):
+    ``step(params, opt_state, micro, scales, global_tokens, values, state, plan) -> (params,
+    opt_state, metrics, values, state)``. params are the dense parameters; micro / scales as
+    ``make_sharded_train_step``'s, every rank's batches localised to its ids (``plan``'s
+    ``perm`` order, slot 0 padding) with a ``Lookup`` whose ``touched`` marks the ids that have
+    a row; values ``[R, n, D]`` / state: the shards; plan: ``MeshTable.plan``'s arrays. The math
+    of ``step.make_sharded_dist_step`` (torch ranks over ``ShardedTable``)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("data",))
+    R = len(devices)
+    ocfg = dataclasses.replace(cfg.optim, lr=cfg.embedding.lr or cfg.optim.lr)
+    optimizer = cfg.embedding.optimizer
+
+    def per_rank(params, opt_state, micro, scales, global_tokens, values, state, plan):
+        local = [jax.tree_util.tree_map(lambda x: x[0], mb) for mb in micro]
+        values, state = values[0], {k: v[0] for k, v in state.items()}
+        rows, fresh, init = plan["own_rows"][0], plan["own_fresh"][0], plan["own_init"][0]
+        pos, perm = plan["own_pos"][0], plan["perm"][0]          # [R, C], [U]
+        C, D = pos.shape[1], values.shape[1]
+        # owner: this step's rows (fresh ones at their initial value, a zero state), to each asker
+        looked = jnp.where(fresh[:, None], init, values[rows])
+        old_state = {k: jnp.where(jnp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), jnp.zeros_like(s[rows]), s[rows])
+                     for k, s in state.items()}
+        got = jax.lax.all_to_all(looked[pos], "data", 0, 0)       # [R owners, C, D]: my ids' rows
+        flat = jnp.concatenate([got.reshape(R * C, D), jnp.zeros((1, D), got.dtype)])
+        view = {**params, TABLE: jnp.concatenate([jnp.zeros((1, D), got.dtype), flat[perm]])}
+        loss_part, grads = rank_grads(B, view, opt_state, local, [scales[0, i] for i in range(len(local))], cfg)
+        row_grads = grads.pop(TABLE)[1:]                          # [U, D]
+        grads = jax.lax.psum(grads, "data")
+        loss = jax.lax.psum(loss_part, "data")
+        bad = jax.lax.psum(jnp.where(all_finite(B, row_grads), 0, 1), "data")
+        lr = learning_rate(jnp, opt_state["step"] + 1.0, ocfg)   # this update's (unused when skipped)
+        params, opt_state, metrics = apply_update(B, params, opt_state, loss, global_tokens, grads, cfg,
+                                                  others_ok=bad == 0)
+        # the rows' gradients to their owners, summed per row there
+        sent = jnp.zeros((R * C + 1, D), row_grads.dtype).at[perm].add(row_grads)[:R * C].reshape(R, C, D)
+        arrived = jax.lax.all_to_all(sent, "data", 0, 0)          # [R askers, C, D], aligned with pos
+        summed = jax.ops.segment_sum(arrived.reshape(-1, D), pos.reshape(-1), num_segments=rows.shape[0])
+        new, new_state = rowopt.row_update(B, optimizer, looked, summed, old_state, rows > 0, lr, ocfg)
+        ok = metrics["finite"]
+        keep = lambda n, o: jnp.where(ok, n, o)  # noqa: E731 - a skipped step: the looked-up rows (fresh ones at init)
+        values = values.at[rows].set(keep(new, looked))
+        state = {k: s.at[rows].set(keep(new_state[k], old_state[k])) for k, s in state.items()}
+        return params, opt_state, metrics, values[None], {k: v[None] for k, v in state.items()}
+
+    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh,
+                                    in_specs=(P(), P(), P("data"), P("data"), P(), P("data"), P("data"), P("data")),
+                                    out_specs=(P(), P(), P(), P("data"), P("data")), check_vma=False))
+    data_sharding = NamedSharding(mesh, P("data"))
+
+    def step(params, opt_state, micro, scales, global_tokens, values, state, plan):
+        micro = B.device_put(micro, data_sharding)
+        scales = B.device_put(np.asarray(scales, dtype=np.float32), data_sharding)
+        plan = B.device_put(plan, data_sharding)
+        params, opt_state, metrics, values, state = sharded(params, opt_state, micro, scales,
+                                                            np.float32(global_tokens), values, state, plan)
+        return params, opt_state, local_copy(metrics), values, state
+
+    return step

@@ -417,7 +417,8 @@ class EmbeddingConfig:
     init: HashInit = "hashed"
     # Where the rows live in a data-parallel run: "replicated" (every rank holds the whole table
     # and maps the global batch's ids) or "row" (each rank holds the rows of the ids it owns,
-    # embedding/sharding.py; lookups and gradients travel by all-to-all). One process: replicated.
+    # embedding/sharding.py; lookups and gradients travel by all-to-all: torch ranks, or the
+    # devices of one JAX process). One process on one device: replicated.
     sharding: Sharding = "replicated"
     node_size: int = _range(0, ge=0)  # ranks per node (hierarchical groups, intra/inter byte split); 0 = 1
     hierarchical: bool = False        # two-level all-to-all: inside the node first, then across nodes
@@ -798,9 +799,14 @@ def _validate_devices(cfg: Config, fail) -> None:
     if cfg.model.task != "retrieval":
         fail("dist", key, f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel as "
                           f"torch ranks (--backend torch --nproc N)")
-    if cfg.embedding.sharding == "row":
-        fail("dist", key, "a row-sharded table runs on torch ranks (--backend torch --nproc N); on the JAX mesh the "
-                          "table is replicated: set embedding.sharding = 'replicated'")
+    e = cfg.embedding
+    if e.sharding == "row" and cfg.dist.nproc > 1:
+        fail("dist", "nproc", "a row-sharded table on the JAX mesh runs in one process (--devices N); over several "
+                              "processes use torch ranks (--backend torch --nproc N)")
+    if e.sharding == "row" and (e.hierarchical or e.exchange != "fp32" or e.staleness):
+        fail("embedding", "hierarchical" if e.hierarchical else "exchange" if e.exchange != "fp32" else "staleness",
+             "the JAX mesh's row exchange is flat, fp32 and synchronous; the hierarchical, 16-bit and stale "
+             "exchanges run on torch ranks (--backend torch --nproc N)")
 
 
 def _validate_ranking(cfg: Config, fail) -> None:

@@ -67,6 +67,21 @@ class LocalSteps:
         return params, opt_state, StepResult(step, epoch, m, tokens, embedding=lookup_record(self.host, stats))
 
 
+TABLE_COUNTERS = ("lookups", "hits", "inserts", "evictions", "rejected", "overflow", "occupancy")
+
+
+def table_record(refs, unique, row_bytes: int, counters: dict, capacity: int, exchange: dict) -> dict:
+    """metrics.jsonl's ``embedding`` record of a step with a row-sharded table, summed over ranks:
+    id references and distinct ids (``LookupStats``), the hash shards' counters (``{}`` for a
+    dense table) with their total capacity and hit rate, and the bytes each hop sent."""
+    stats = LookupStats(int(refs), int(unique), row_bytes)
+    table = {k: int(v) for k, v in counters.items()}
+    if table:
+        table.update(capacity=int(capacity), hit_rate=table["hits"] / table["lookups"] if table["lookups"] else 0.0)
+    return {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
+            "bytes_after": stats.bytes_after, "table": table, "exchange": {k: int(v) for k, v in exchange.items()}}
+
+
 def global_step_rows(host, step_ids: list, step: int, ids: "BatchIds"):
     """``(localize, stats)``: a data-parallel step's table rows for the ids of the whole global step
     (``step_ids``: ``RankBatch.step_ids`` of its micro-batches), which every rank maps the same
@@ -207,16 +222,11 @@ class RankSteps:
         record = None
         if step % self.log_every == 0:
             c = self.shard.counters()
-            keys = [k for k in ("lookups", "hits", "inserts", "evictions", "rejected", "overflow", "occupancy") if k in c]
+            keys = [k for k in TABLE_COUNTERS if k in c]
             total = self.comm.all_reduce_sum([refs, len(ids), *(c[k] for k in keys), *self.shard.bytes.values()])
-            stats = LookupStats(int(total[0]), int(total[1]), 4 * rows.shape[1])
-            table = {k: int(v) for k, v in zip(keys, total[2:2 + len(keys)])}
-            if table:
-                table.update(capacity=self.shard.table.capacity * self.comm.world_size,
-                             hit_rate=table["hits"] / table["lookups"] if table["lookups"] else 0.0)
-            record = {"ids": stats.ids, "unique": stats.unique, "bytes_before": stats.bytes_before,
-                      "bytes_after": stats.bytes_after, "table": table,
-                      "exchange": {k: int(v) for k, v in zip(self.shard.bytes, total[2 + len(keys):])}}
+            record = table_record(total[0], total[1], 4 * rows.shape[1], dict(zip(keys, total[2:2 + len(keys)])),
+                                  self.shard.table.capacity * self.comm.world_size if keys else 0,
+                                  dict(zip(self.shard.bytes, total[2 + len(keys):])))
         return params, opt_state, StepResult(
             step, epoch, m, sum(int(rb.rank_tokens.sum()) for rb in micro),
             rank_tokens=[int(x) for x in sum(rb.rank_tokens for rb in micro)],
@@ -231,11 +241,12 @@ class MeshSteps:
     update of the torch ranks' ``RankSteps``. With a hash table, the rows of the global step's ids
     as ``RankSteps``."""
 
-    def __init__(self, B, cfg: Config, loader, comm, host=None):
+    def __init__(self, B, cfg: Config, loader, comm, host=None, shard=None):
         self.loader, self.comm, self.k, self.ids = loader, comm, cfg.train.accumulate, BatchIds()
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
-        self.host = host if host is not None and host.sparse else None
-        self.fn = comm.train_step(B, cfg)
+        self.host = host if host is not None and host.sparse and shard is None else None
+        self.shard, self.log_every = shard, cfg.train.log_every
+        self.fn = comm.train_step(B, cfg) if shard is None else comm.table_step(B, cfg)
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
         """The steps of epoch ``epoch`` from batch ``start`` (lists of micro-batches, each a list
@@ -247,18 +258,51 @@ class MeshSteps:
 
     def run(self, params, opt_state, micro, step: int, epoch: int):
         self.comm.step = step
+        if self.shard is not None:
+            return self._run_sharded(params, opt_state, micro, step, epoch)
         batches, stats = [[rb.batch for rb in ranks] for ranks in micro], None
         if self.host is not None:
             localize, stats = global_step_rows(self.host, [ranks[0].step_ids for ranks in micro], step, self.ids)
             batches = [[localize(b) for b in ranks] for ranks in batches]
-        G = sum(ranks[0].global_tokens for ranks in micro)
-        scales = [rank_scales([ranks[i].tokens for ranks in micro], G, self.comm.world_size)
-                  for i in range(len(micro[0]))]  # [local ranks, k]
+        scales, G = self._scales(micro)
         params, opt_state, m = self.fn(params, opt_state, batches, scales, G)
+        return params, opt_state, self._result(m, micro, step, epoch, lookup_record(self.host, stats))
+
+    def _result(self, m, micro, step: int, epoch: int, embedding) -> StepResult:
         rank_tokens = sum(ranks[0].rank_tokens for ranks in micro)  # every rank's, global
-        return params, opt_state, StepResult(step, epoch, m, int(rank_tokens.sum()),
-                                             rank_tokens=[int(x) for x in rank_tokens],
-                                             embedding=lookup_record(self.host, stats))
+        return StepResult(step, epoch, m, int(rank_tokens.sum()), rank_tokens=[int(x) for x in rank_tokens],
+                          embedding=embedding)
+
+    def _scales(self, micro) -> tuple[list, float]:
+        G = sum(ranks[0].global_tokens for ranks in micro)
+        return [rank_scales([ranks[i].tokens for ranks in micro], G, self.comm.world_size)
+                for i in range(len(micro[0]))], G  # [ranks, k]
+
+    def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):
+        """A step with the item table row-sharded over the mesh (``MeshTable``): each rank's
+        distinct ids (of all its micro-batches), the owners' rows planned on the host, the
+        batches localised to them; the table's record summed over ranks on logged steps, as
+        ``RankSteps._run_sharded`` logs it."""
+        R, shard = self.comm.world_size, self.shard
+        ids = [unique_ids([a for ranks in micro for a in self.ids.of(ranks[r].batch)]) for r in range(R)]
+        plan, admitted = shard.plan([u for u, _ in ids], step)
+        slots = plan["perm"].shape[1] + 1
+        lookups = []
+        for ok in admitted:
+            touched = np.zeros(slots, bool)
+            touched[1:1 + len(ok)] = ok
+            lookups.append(Lookup(None, touched, None, None))
+        batches = [[self.ids.localize(ranks[r].batch, ids[r][0], lookups[r]) for r in range(R)] for ranks in micro]
+        scales, G = self._scales(micro)
+        params, opt_state, m, shard.values, shard.state = self.fn(params, opt_state, batches, scales, G,
+                                                                 shard.values, shard.state, plan)
+        record = None
+        if step % self.log_every == 0:
+            c = shard.counters()
+            record = table_record(sum(r for _, r in ids), sum(len(u) for u, _ in ids), 4 * shard.dim,
+                                  {k: c[k] for k in TABLE_COUNTERS if k in c},
+                                  shard.owners[0].table.capacity * R if c else 0, shard.bytes)
+        return params, opt_state, self._result(m, micro, step, epoch, record)
 
 
 def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
@@ -267,6 +311,6 @@ def make_steps(B, cfg: Config, loader, comm, host=None, shard=None):
     if comm.world_size == 1:
         return LocalSteps(B, cfg, loader, host)
     if comm.mesh:
-        return MeshSteps(B, cfg, loader, comm, host)
+        return MeshSteps(B, cfg, loader, comm, host, shard)
     return RankSteps(B, cfg, loader, comm, host, shard)
 

@@ -183,7 +183,8 @@ def estimate(cfg, data) -> list[Item]:
                           "step", dev))
     else:  # row-sparse: the table and its per-row state, dense AdamW on the rest, the step's rows only
         rows_all = (table_items(cfg) or N) + 1
-        world = cfg.dist.nproc if e.sharding == "row" and cfg.dist.nproc > 1 else 1
+        ranks = cfg.dist.nproc * max(1, cfg.dist.devices)  # torch processes, or JAX devices of each
+        world = ranks if e.sharding == "row" and ranks > 1 else 1
         rows_here = -(-rows_all // world)
         per_row = D * (3 if e.optimizer == "lazy_adam" else 1) + 1  # + lazy Adam's t or Adagrad's acc
         dense_p = P - rows_all * D

@@ -244,12 +244,13 @@ def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fi
         raise CheckpointError(f"checkpoint {restored.path} holds no loader position (an older format); "
                               f"it can be evaluated but not resumed")
     saved = (restored.host or {}).get("embedding") or {}
-    sharded, world = cfg.embedding.sharding == "row" and world_size() > 1, world_size()
+    world = world_size() * max(1, cfg.dist.devices)  # ranks: processes x JAX devices of each
+    sharded = cfg.embedding.sharding == "row" and world > 1
     if ("shards" in saved) != sharded:  # checked before the run touches OUT
         raise CheckpointError(f"checkpoint {restored.path} holds a {'row-sharded' if 'shards' in saved else 'whole'} "
                               f"item table but this run {'shards' if sharded else 'does not shard'} it "
-                              f"(embedding.sharding={cfg.embedding.sharding!r} with {world} process(es)); resume "
-                              f"with more than one process (a row-sharded checkpoint) or one (a whole table), or "
+                              f"(embedding.sharding={cfg.embedding.sharding!r} with {world} rank(s)); resume "
+                              f"with more than one rank (a row-sharded checkpoint) or one (a whole table), or "
                               f"start over with --fresh")
     saved_data = restored.meta.get("data", {}).get("sha256")
     if saved_data not in (None, fingerprint):

@@ -372,7 +372,8 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
     """Evaluate a checkpoint (trained on any backend) on ``backend`` with the run's own config."""
     ck = read_checkpoint(path)
     import_plugins(ck.config.train.plugins, where=f"{path} (embedded config) train.plugins")
-    cfg = ck.config
+    # one process on one device: how the run was spread (torch ranks, JAX devices) is not evaluation's
+    cfg = replace(ck.config, dist={"nproc": 1, "devices": 0})
     task = get_task(cfg.model.task)
     check_param_shapes(ck, task.param_shapes(cfg, ck.host))
     try:

@@ -425,6 +425,11 @@ class ShardedTable:
         return out
 
 
+    def export_all(self, comm) -> list | None:
+        """Every rank's ``export`` on rank 0 (rank order; None elsewhere): a checkpoint's
+        ``shards``. Collective."""
+        return comm.gather(self.export())
+
     def load(self, shards: list) -> None:
         """Take this rank's rows from ``shards`` (every old rank's ``export``, any world size): the
         ids this rank owns, in (old rank, old row) order, with their values, optimizer state and
@@ -493,6 +498,8 @@ def make_sharded(B, cfg, comm, dense_rows=None, dim: int | None = None, num_item
     table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given).
     ``dim`` / ``num_items``: the table's (default the retrieval HSTU's ``model.embed_dim`` /
     ``model.num_items``; the ranking task's merged table has its own)."""
+    if comm.mesh:  # ranks on the devices of a JAX mesh: their table lives there (backends/dist_jax.py)
+        return comm.sharded_table(B, cfg, dense_rows)
     e = cfg.embedding
     need_rows = e.kind == "dense" or e.init == "dense"
     if need_rows and dense_rows is None:
@@ -534,7 +541,7 @@ def gathered_view(B, cfg, comm, shard: ShardedTable, dim: int | None = None, num
     gathered to rank 0 as one table (``assemble_table``; ``dim`` / ``num_items`` as there) in the
     run's params as ``"item_emb"`` (step.TABLE) with its host; (None, None) on the other ranks."""
     def view(run):
-        shards = comm.gather(shard.export())
+        shards = shard.export_all(comm)
         if not comm.is_main:
             return None, None
         table, host = assemble_table(cfg, shards, dim, num_items)

@@ -308,7 +308,7 @@ class RankingTask(Task):
 
     def host_state(self, state: ModelState, comm) -> dict | None:
         if state.shard is not None:
-            return {"embedding": {"shards": comm.gather(state.shard.export())}}  # every rank takes part
+            return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return None if state.host is None else {"embedding": state.host.state_dict()}
 
     def steps(self, B, prepared: Prepared, comm, state: ModelState):

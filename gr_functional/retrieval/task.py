@@ -162,7 +162,7 @@ class RetrievalTask(Task):
 
     def host_state(self, state: ModelState, comm) -> dict | None:
         if state.shard is not None:
-            return {"embedding": {"shards": comm.gather(state.shard.export())}}  # every rank takes part
+            return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return {"embedding": state.host.state_dict()} if state.host.sparse else None
 
     def steps(self, B, prepared: Prepared, comm, state: ModelState):
@@ -170,11 +170,11 @@ class RetrievalTask(Task):
 
     def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
         cfg, (data, splits) = prepared.cfg, prepared.payload
-        if state.shard is not None:
-            return Evaluation(evaluate, splits, data.candidates, make_scorer(B, cfg), ckdir,
-                              view=gathered_view(B, cfg, comm, state.shard))
         # the ranks of a mesh (comm.mesh, backends/dist_jax.py) score their share of each batch
         scorer = comm.scorer(B, cfg) if comm.mesh else make_scorer(B, cfg)
+        if state.shard is not None:
+            return Evaluation(evaluate, splits, data.candidates, scorer, ckdir,
+                              view=gathered_view(B, cfg, comm, state.shard))
         return Evaluation(partial(evaluate, host=state.host), splits, data.candidates, scorer, ckdir)
 
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:

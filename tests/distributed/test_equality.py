@@ -218,6 +218,49 @@ def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp
     assert abs(t["hr@10"] - final["hr@10"]) <= 1e-6 and abs(t["hr@10"] - j["hr@10"]) <= 1e-3
 
 
+def test_row_sharded_on_jax_devices_equals_torch_ranks_and_resumes_across(row_sharded, tmp_path):
+    """The same row-sharded run on 2 JAX devices of one process (backends/dist_jax.py MeshTable:
+    the owners' rows on the devices, rows and gradients by jax.lax.all_to_all): the 2 torch
+    ranks' params, losses, table records (ids, dedup, hash counters, exchanged bytes: equal) and
+    rows by id. The torch run's step-3 checkpoint resumes on 4 JAX devices (re-sharded by id) to
+    the same losses, and the JAX run's checkpoint evaluates on one process."""
+    import shutil
+    import subprocess
+
+    from gr_functional.checkpoint import CheckpointDir
+    from gr_functional.runner import evaluate_checkpoint
+
+    from .common import subprocess_env, train_command
+
+    sets = [*ROW_SHARDED, "embedding.sharding=row", "train.checkpoint_every=3", "train.keep_checkpoints=0"]
+    jax_out, four = tmp_path / "jax-2", tmp_path / "jax-4-from-torch"
+    shutil.copytree(row_sharded / "dist", four)
+    for step, path in CheckpointDir(four / "checkpoints").steps():
+        if step > 3:
+            path.unlink()
+    procs = [subprocess.Popen(train_command(out, *sets, args=["--backend", "jax", "--devices", str(n)]), cwd=ROOT,
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for out, n in ((jax_out, 2), (four, 4))]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    torch_run = row_sharded / "dist"
+    err, leaf = worst_param_error(final_params(jax_out), final_params(torch_run))
+    assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
+    got, want = _train_records(jax_out), _train_records(torch_run)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) and g["embedding"] == w["embedding"], g["step"]
+    rows, ref = _table_by_id(jax_out), _table_by_id(torch_run)
+    assert set(rows) == set(ref) and max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-5
+    resumed = _train_records(four)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert all(abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]) for a, b in zip(resumed, want))
+    a = json.loads((jax_out / "eval.json").read_text())["last_epoch_test"]
+    t = evaluate_checkpoint(jax_out / "checkpoints" / "last.safetensors", "torch")
+    assert abs(a["hr@10"] - t["hr@10"]) <= 1e-6
+
+
 def test_row_sharded_checkpoint_is_not_resumed_by_one_process(row_sharded, tmp_path):
     """One process cannot continue a row-sharded checkpoint (its rows are spread over shards):
     a clear CheckpointError before the run touches the folder."""
