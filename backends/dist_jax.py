@@ -323,7 +323,6 @@ def initialize(cfg, processes: int, process: int) -> None:
     the coordination service, which stops the others."""
     import jax
 
-
     if jax.distributed.is_initialized():
         return
     lim = limits(cfg.dist.timeout_s)
