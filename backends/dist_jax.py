@@ -199,7 +199,7 @@ class MeshComm(LocalComm):
         self.local_ranks = range(process * per, (process + 1) * per)
         self.local_devices = self.devices[process * per:(process + 1) * per]
         self.rank, self.processes, self.is_main = process, processes, process == 0
-        self._client, self._sent = client, 0
+        self._client = client
 
     # ---- host-side exchanges between processes (the coordination service's store)
     def _failed(self) -> str | None:
@@ -224,16 +224,19 @@ class MeshComm(LocalComm):
                                            f"waiting for {what}: {exc}") from None
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of process ``src`` on every process, pickled through the devices' collectives
+        (a checkpoint is too big for the coordination service's store). Collective."""
         if self.processes == 1:
             return obj
         import pickle
 
-        key = f"grf/broadcast/{self._sent}"
-        self._sent += 1
-        if self.rank == src:
-            self._client.key_value_set_bytes(key, pickle.dumps(obj))
-            return obj
-        return pickle.loads(self._get(key, f"a broadcast from process {src}"))
+        from jax.experimental import multihost_utils
+
+        mine = self.rank == src
+        data = np.frombuffer(pickle.dumps(obj), np.uint8) if mine else np.zeros(0, np.uint8)
+        n = int(multihost_utils.broadcast_one_to_all(np.int64(len(data)), is_source=mine))
+        got = multihost_utils.broadcast_one_to_all(data if mine else np.zeros(n, np.uint8), is_source=mine)
+        return obj if mine else pickle.loads(np.asarray(got).tobytes())
 
     def post(self, tag: str) -> None:
         if self.processes > 1:
@@ -283,9 +286,12 @@ class MeshComm(LocalComm):
         """``make_sharded_table_step`` over the mesh, micro-batches as ``train_step``'s."""
         sharded = make_sharded_table_step(B, cfg, self.devices)
 
+        here = np.asarray(self.local_ranks)
+
         def step(params, opt_state, micro, scales, global_tokens, values, state, plan):
+            """micro / scales: this process's ranks'; plan: every rank's (``MeshTable.plan``)."""
             return sharded(params, opt_state, [stack_rank_batches(parts) for parts in micro], scales, global_tokens,
-                           values, state, plan)
+                           values, state, {k: v[here] for k, v in plan.items()})
 
         return step
 
@@ -476,26 +482,37 @@ class MeshTable:
         """The owners' values and state, stacked ``[R, n, ...]``, onto the mesh (rank o's on device o)."""
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-        B = self.B
+        B, here = self.B, list(self.comm.local_ranks)  # over several processes each places its own ranks' rows
         sharding = NamedSharding(Mesh(np.array(self.comm.devices), ("data",)), P("data"))
-        self.values = B.device_put(np.stack([B.to_numpy(t.values) for t in self.owners]), sharding)
-        self.state = {k: B.device_put(np.stack([B.to_numpy(t.state[k]) for t in self.owners]), sharding)
+        self.values = B.device_put(np.stack([B.to_numpy(self.owners[o].values) for o in here]), sharding)
+        self.state = {k: B.device_put(np.stack([B.to_numpy(self.owners[o].state[k]) for o in here]), sharding)
                       for k in self.owners[0].state}
         for t in self.owners:  # the mesh holds them now
             t.values, t.state = None, None
 
     def _from_devices(self) -> None:
+        """Every owner's rows back on its host object (over several processes: gathered to every
+        process, a collective)."""
         B = self.B
-        values = B.to_numpy(self.values)
-        state = {k: B.to_numpy(v) for k, v in self.state.items()}
+
+        def whole(x):
+            if x.is_fully_addressable:
+                return B.to_numpy(x)
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+        values = whole(self.values)
+        state = {k: whole(v) for k, v in self.state.items()}
         for o, t in enumerate(self.owners):
             t.values, t.state = B.asarray(values[o]), {k: B.asarray(v[o]) for k, v in state.items()}
 
-    def export_all(self, comm=None) -> list:
-        """Every owner's ``ShardedTable.export`` (the checkpoint's ``shards``, rank order)."""
+    def export_all(self, comm=None) -> list | None:
+        """Every owner's ``ShardedTable.export`` (the checkpoint's ``shards``, rank order) on
+        process 0, None on the others. Collective."""
         self._from_devices()
         try:
-            return [t.export() for t in self.owners]
+            return [t.export() for t in self.owners] if self.comm.is_main else None
         finally:
             for t in self.owners:
                 t.values, t.state = None, None
@@ -627,7 +644,7 @@ def make_sharded_table_step(B, cfg, devices):
     def step(params, opt_state, micro, scales, global_tokens, values, state, plan):
         micro = B.device_put(micro, data_sharding)
         scales = B.device_put(np.asarray(scales, dtype=np.float32), data_sharding)
-        plan = B.device_put(plan, data_sharding)
+        plan = B.device_put(plan, data_sharding)   # over several processes: this process's ranks' rows
         params, opt_state, metrics, values, state = sharded(params, opt_state, micro, scales,
                                                             np.float32(global_tokens), values, state, plan)
         return params, opt_state, local_copy(metrics), values, state

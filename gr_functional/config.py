@@ -800,9 +800,6 @@ def _validate_devices(cfg: Config, fail) -> None:
         fail("dist", key, f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel as "
                           f"torch ranks (--backend torch --nproc N)")
     e = cfg.embedding
-    if e.sharding == "row" and cfg.dist.nproc > 1:
-        fail("dist", "nproc", "a row-sharded table on the JAX mesh runs in one process (--devices N); over several "
-                              "processes use torch ranks (--backend torch --nproc N)")
     if e.sharding == "row" and (e.hierarchical or e.exchange != "fp32" or e.staleness):
         fail("embedding", "hierarchical" if e.hierarchical else "exchange" if e.exchange != "fp32" else "staleness",
              "the JAX mesh's row exchange is flat, fp32 and synchronous; the hierarchical, 16-bit and stale "

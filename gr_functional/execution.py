@@ -250,8 +250,11 @@ class MeshSteps:
 
     def batches(self, epoch: int, start: int, limit: int | None = None):
         """The steps of epoch ``epoch`` from batch ``start`` (lists of micro-batches, each a list
-        of this process's ranks' ``RankBatch``es), at most ``limit`` of them."""
-        steps = step_groups(self.loader.ranks_epoch(epoch, start, ranks=self.comm.local_ranks,
+        of this process's ranks' ``RankBatch``es, every rank's with a row-sharded table), at most
+        ``limit`` of them."""
+        # a row-sharded table plans every rank's requests: every rank's share is built
+        ranks = self.comm.local_ranks if self.shard is None else None
+        steps = step_groups(self.loader.ranks_epoch(epoch, start, ranks=ranks,
                                                     with_ids=self.host is not None, prefetch=self.prefetch,
                                                     stats=self.prefetch_stats), self.k)
         return itertools.islice(steps, limit)
@@ -264,7 +267,7 @@ class MeshSteps:
         if self.host is not None:
             localize, stats = global_step_rows(self.host, [ranks[0].step_ids for ranks in micro], step, self.ids)
             batches = [[localize(b) for b in ranks] for ranks in batches]
-        scales, G = self._scales(micro)
+        scales, G = self._scales(micro, range(len(micro[0])))
         params, opt_state, m = self.fn(params, opt_state, batches, scales, G)
         return params, opt_state, self._result(m, micro, step, epoch, lookup_record(self.host, stats))
 
@@ -273,10 +276,10 @@ class MeshSteps:
         return StepResult(step, epoch, m, int(rank_tokens.sum()), rank_tokens=[int(x) for x in rank_tokens],
                           embedding=embedding)
 
-    def _scales(self, micro) -> tuple[list, float]:
+    def _scales(self, micro, which) -> tuple[list, float]:
+        """``([len(which), k] rank_scales, G)`` of the ranks at positions ``which`` of each micro-batch."""
         G = sum(ranks[0].global_tokens for ranks in micro)
-        return [rank_scales([ranks[i].tokens for ranks in micro], G, self.comm.world_size)
-                for i in range(len(micro[0]))], G  # [ranks, k]
+        return [rank_scales([ranks[i].tokens for ranks in micro], G, self.comm.world_size) for i in which], G
 
     def _run_sharded(self, params, opt_state, micro, step: int, epoch: int):
         """A step with the item table row-sharded over the mesh (``MeshTable``): each rank's
@@ -292,8 +295,9 @@ class MeshSteps:
             touched = np.zeros(slots, bool)
             touched[1:1 + len(ok)] = ok
             lookups.append(Lookup(None, touched, None, None))
-        batches = [[self.ids.localize(ranks[r].batch, ids[r][0], lookups[r]) for r in range(R)] for ranks in micro]
-        scales, G = self._scales(micro)
+        here = self.comm.local_ranks  # micro holds every rank's share; this process trains its own
+        batches = [[self.ids.localize(ranks[r].batch, ids[r][0], lookups[r]) for r in here] for ranks in micro]
+        scales, G = self._scales(micro, here)
         params, opt_state, m, shard.values, shard.state = self.fn(params, opt_state, batches, scales, G,
                                                                  shard.values, shard.state, plan)
         record = None
