@@ -480,10 +480,10 @@ class MeshTable:
     # ---- the rows between the owners' host objects and the mesh
     def _to_devices(self) -> None:
         """The owners' values and state, stacked ``[R, n, ...]``, onto the mesh (rank o's on device o)."""
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
         B, here = self.B, list(self.comm.local_ranks)  # over several processes each places its own ranks' rows
-        sharding = NamedSharding(Mesh(np.array(self.comm.devices), ("data",)), P("data"))
+        sharding = NamedSharding(table_mesh(self.cfg, self.comm.devices), P(("node", "local")))
         self.values = B.device_put(np.stack([B.to_numpy(self.owners[o].values) for o in here]), sharding)
         self.state = {k: B.device_put(np.stack([B.to_numpy(self.owners[o].state[k]) for o in here]), sharding)
                       for k in self.owners[0].state}
@@ -535,22 +535,38 @@ class MeshTable:
 
     # ---- a step's plan
     def plan(self, ids: list, step: int) -> tuple[dict, list]:
-        """``(arrays, per_rank)`` for ``make_sharded_table_step`` from ``ids[r]`` (rank r's
-        distinct ids, int64 increasing): arrays ``own_rows[R, M]`` int32 (each owner's rows this
-        step, 0 padding), ``own_fresh[R, M]``, ``own_init[R, M, D]`` (fresh rows' initial values),
-        ``own_pos[R, R, C]`` int32 (owner o's slot of the c-th id rank r asks of it; M - 1, a
-        row-0 slot, for padding) and ``perm[R, U]`` int32 (rank r's k-th id's place in the rows
-        it receives, ``R * C`` for padding); per_rank: ``admitted[len(ids[r])]`` bool (the id has
-        a row; the others read zeros). The owners' maps change as a torch owner's do."""
+        """``(arrays, admitted)`` for ``make_sharded_table_step`` from ``ids[r]`` (rank r's
+        distinct ids, int64 increasing), routed as the torch exchange routes them: rank r sends
+        each id to the rank of its node whose local index is the owner's (``embedding.node_size``
+        G ranks per node when ``embedding.hierarchical``; flat: one node of all R ranks, so that
+        rank is the owner), which merges its node's requests and sends them on to the owner.
 
+        arrays: ``own_rows[R, M]`` int32 (each owner's rows this step, 0 padding),
+        ``own_fresh[R, M]``, ``own_init[R, M, D]`` (fresh rows' initial values), ``own_pos[R, N,
+        C2]`` int32 (owner q's slot of the c-th id its node-n peer asks of it; M - 1, a row-0
+        slot, for padding), ``mid_pos[R, G, C1]`` int32 (an intermediate's place, in the rows it
+        got from the owners, of the c-th id its local peer g asks of it; ``N * C2`` for padding),
+        ``perm[R, U]`` int32 (rank r's k-th id's place in the rows it gets; ``G * C1`` for
+        padding). admitted: per rank, whether each id has a row (the others read zeros). The
+        owners' maps change as torch owners' do, and the bytes are counted as theirs are."""
         R, D = self.world, self.dim
+        G = self.owners[0].node_size if self.owners[0].hierarchical else R
+        N = R // G
+        node = lambda r: r // G  # noqa: E731
         own = [owners(u, R, self.kind) for u in ids]
-        counts = np.array([[int((o == q).sum()) for q in range(R)] for o in own], np.int64)   # [r, o]
-        C = round_up_capacity(int(counts.max()), 1)
-        mine = [np.unique(np.concatenate([u[o == q] for u, o in zip(ids, own)])) for q in range(R)]
-        M = round_up_capacity(max(len(m) for m in mine) + 1)
+        via = [node(r) * G + o % G for r, o in enumerate(own)]          # hop 1: the intermediate of each id
+        merged = [np.unique(np.concatenate([ids[r][via[r] == m] for r in range(node(m) * G, node(m) * G + G)]))
+                  for m in range(R)]                                   # what each intermediate sends on
+        merged_own = [owners(x, R, self.kind) for x in merged]
+        hop1, hop2 = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)   # [from, to] ids per hop
+        for r in range(R):
+            hop1[r] = np.bincount(via[r], minlength=R)
+            hop2[r] = np.bincount(merged_own[r], minlength=R)
+        C1, C2 = round_up_capacity(int(hop1.max()), 1), round_up_capacity(int(hop2.max()), 1)
+        mine = [np.unique(np.concatenate([merged[m][merged_own[m] == q] for m in range(R)])) for q in range(R)]
+        M = round_up_capacity(max(len(x) for x in mine) + 1)
         own_rows, own_fresh = np.zeros((R, M), np.int32), np.zeros((R, M), bool)
-        own_init, own_pos = np.zeros((R, M, D), np.float32), np.full((R, R, C), M - 1, np.int32)
+        own_init, own_pos = np.zeros((R, M, D), np.float32), np.full((R, N, C2), M - 1, np.int32)
         got_rows = []
         for q, t in enumerate(self.owners):
             if t.table is None:
@@ -564,25 +580,46 @@ class MeshTable:
                 own_init[q, :n][fresh] = (hashed_init(t.seed, mine[q][fresh], D) if t.dense_rows is None
                                           else t.dense_rows[mine[q][fresh]])
             got_rows.append(rows)
+        # hop 2: intermediate m's ids for owner q (of node n), in m's order, at q's slots and back
+        mid_pos, slot_of = np.full((R, G, C1), N * C2, np.int32), []
+        for m in range(R):
+            at = np.zeros(len(merged[m]), np.int64)           # each merged id's place in the rows m gets
+            for q in np.unique(merged_own[m]):
+                take = np.flatnonzero(merged_own[m] == q)
+                own_pos[q, node(m), :len(take)] = np.searchsorted(mine[q], merged[m][take])
+                at[take] = node(q) * C2 + np.arange(len(take))
+            slot_of.append(at)
+        # hop 1: rank r's ids for intermediate m (of r's node), in r's order
         U = round_up_capacity(max(len(u) for u in ids) + 1) - 1
-        perm, admitted = np.full((R, U), R * C, np.int32), []
-        for r, (u, o) in enumerate(zip(ids, own)):
+        perm, admitted = np.full((R, U), G * C1, np.int32), []
+        for r, u in enumerate(ids):
+            for m in np.unique(via[r]):
+                take = np.flatnonzero(via[r] == m)
+                mid_pos[m, r % G, :len(take)] = slot_of[m][np.searchsorted(merged[m], u[take])]
+                perm[r, take] = (m % G) * C1 + np.arange(len(take))
             ok = np.zeros(len(u), bool)
-            for q in range(R):
-                take = np.flatnonzero(o == q)
-                pos = np.searchsorted(mine[q], u[take])
-                own_pos[q, r, :len(take)] = pos
-                perm[r, take] = q * C + np.arange(len(take))
-                ok[take] = got_rows[q][pos] > 0
+            for q in np.unique(own[r]):
+                take = np.flatnonzero(own[r] == q)
+                ok[take] = got_rows[q][np.searchsorted(mine[q], u[take])] > 0
             admitted.append(ok)
-        # the bytes a torch exchange sends (the padding of the fixed capacities is not counted)
         row_bytes = 4 * D
-        for r in range(R):
-            self.owners[r]._count("ids", counts[r], 8)
-            self.owners[r]._count("rows", counts[:, r], row_bytes)
-            self.owners[r]._count("grads", counts[r], row_bytes)
+        for hop in (hop1, hop2) if N > 1 else (hop1,):  # flat: one hop, as torch routes it
+            for r in range(R):
+                self.owners[r]._count("ids", hop[r], 8)
+                self.owners[r]._count("rows", hop[:, r], row_bytes)
+                self.owners[r]._count("grads", hop[r], row_bytes)
         return {"own_rows": own_rows, "own_fresh": own_fresh, "own_init": own_init, "own_pos": own_pos,
-                "perm": perm}, admitted
+                "mid_pos": mid_pos, "perm": perm}, admitted
+
+
+def table_mesh(cfg, devices):
+    """The mesh of a row-sharded table's step: "node" (N) x "local" (G = ``embedding.node_size``
+    when ``embedding.hierarchical``, else all R ranks in one node), rank r at (r // G, r % G)."""
+    from jax.sharding import Mesh
+
+    R = len(devices)
+    G = cfg.embedding.node_size if cfg.embedding.hierarchical else R
+    return Mesh(np.array(devices).reshape(R // G, G), ("node", "local"))
 
 
 def make_sharded_table_step(B, cfg, devices):
@@ -591,16 +628,20 @@ def make_sharded_table_step(B, cfg, devices):
     opt_state, metrics, values, state)``. params are the dense parameters; micro / scales as
     ``make_sharded_train_step``'s, every rank's batches localised to its ids (``plan``'s
     ``perm`` order, slot 0 padding) with a ``Lookup`` whose ``touched`` marks the ids that have
-    a row; values ``[R, n, D]`` / state: the shards; plan: ``MeshTable.plan``'s arrays. The math
-    of ``step.make_sharded_dist_step`` (torch ranks over ``ShardedTable``)."""
+    a row; values ``[R, n, D]`` / state: the shards; plan: ``MeshTable.plan``'s arrays. The mesh
+    has two axes, "node" (N) x "local" (G ranks per node: ``embedding.node_size`` when
+    ``embedding.hierarchical``, else all R in one node): the rows travel owner -> intermediate
+    over "node" and intermediate -> asker over "local" (``jax.lax.all_to_all``), the gradients
+    back the same way, summed at each end (``segment_sum``). The math of
+    ``step.make_sharded_dist_step`` (torch ranks over ``ShardedTable``)."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.array(devices), ("data",))
-    R = len(devices)
+    mesh, ranks = table_mesh(cfg, devices), ("node", "local")
+    N, G = mesh.devices.shape
     ocfg = dataclasses.replace(cfg.optim, lr=cfg.embedding.lr or cfg.optim.lr)
     optimizer = cfg.embedding.optimizer
 
@@ -608,26 +649,29 @@ def make_sharded_table_step(B, cfg, devices):
         local = [jax.tree_util.tree_map(lambda x: x[0], mb) for mb in micro]
         values, state = values[0], {k: v[0] for k, v in state.items()}
         rows, fresh, init = plan["own_rows"][0], plan["own_fresh"][0], plan["own_init"][0]
-        pos, perm = plan["own_pos"][0], plan["perm"][0]          # [R, C], [U]
-        C, D = pos.shape[1], values.shape[1]
-        # owner: this step's rows (fresh ones at their initial value, a zero state), to each asker
+        pos, mid, perm = plan["own_pos"][0], plan["mid_pos"][0], plan["perm"][0]   # [N, C2], [G, C1], [U]
+        C2, C1, D = pos.shape[1], mid.shape[1], values.shape[1]
+        pad = lambda x: jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])  # noqa: E731 - the padding slot's zero row
+        # owner: this step's rows (fresh ones at their initial value, a zero state) -> intermediates -> askers
         looked = jnp.where(fresh[:, None], init, values[rows])
         old_state = {k: jnp.where(jnp.reshape(fresh, (-1,) + (1,) * (s.ndim - 1)), jnp.zeros_like(s[rows]), s[rows])
                      for k, s in state.items()}
-        got = jax.lax.all_to_all(looked[pos], "data", 0, 0)       # [R owners, C, D]: my ids' rows
-        flat = jnp.concatenate([got.reshape(R * C, D), jnp.zeros((1, D), got.dtype)])
-        view = {**params, TABLE: jnp.concatenate([jnp.zeros((1, D), got.dtype), flat[perm]])}
+        at_mid = jax.lax.all_to_all(looked[pos], "node", 0, 0).reshape(N * C2, D)
+        mine = jax.lax.all_to_all(pad(at_mid)[mid], "local", 0, 0).reshape(G * C1, D)
+        view = {**params, TABLE: jnp.concatenate([jnp.zeros((1, D), mine.dtype), pad(mine)[perm]])}
         loss_part, grads = rank_grads(B, view, opt_state, local, [scales[0, i] for i in range(len(local))], cfg)
-        row_grads = grads.pop(TABLE)[1:]                          # [U, D]
-        grads = jax.lax.psum(grads, "data")
-        loss = jax.lax.psum(loss_part, "data")
-        bad = jax.lax.psum(jnp.where(all_finite(B, row_grads), 0, 1), "data")
-        lr = learning_rate(jnp, opt_state["step"] + 1.0, ocfg)   # this update's (unused when skipped)
+        row_grads = grads.pop(TABLE)[1:]                                   # [U, D]
+        grads = jax.lax.psum(grads, ranks)
+        loss = jax.lax.psum(loss_part, ranks)
+        bad = jax.lax.psum(jnp.where(all_finite(B, row_grads), 0, 1), ranks)
+        lr = learning_rate(jnp, opt_state["step"] + 1.0, ocfg)            # this update's (unused when skipped)
         params, opt_state, metrics = apply_update(B, params, opt_state, loss, global_tokens, grads, cfg,
                                                   others_ok=bad == 0)
-        # the rows' gradients to their owners, summed per row there
-        sent = jnp.zeros((R * C + 1, D), row_grads.dtype).at[perm].add(row_grads)[:R * C].reshape(R, C, D)
-        arrived = jax.lax.all_to_all(sent, "data", 0, 0)          # [R askers, C, D], aligned with pos
+        # the rows' gradients back: summed per id at the intermediate, then per row at the owner
+        sent = jnp.zeros((G * C1 + 1, D), row_grads.dtype).at[perm].add(row_grads)[:G * C1].reshape(G, C1, D)
+        at_mid = jax.lax.all_to_all(sent, "local", 0, 0).reshape(G * C1, D)
+        merged = jnp.zeros((N * C2 + 1, D), at_mid.dtype).at[mid.reshape(-1)].add(at_mid)[:N * C2].reshape(N, C2, D)
+        arrived = jax.lax.all_to_all(merged, "node", 0, 0)                 # [N, C2, D], aligned with pos
         summed = jax.ops.segment_sum(arrived.reshape(-1, D), pos.reshape(-1), num_segments=rows.shape[0])
         new, new_state = rowopt.row_update(B, optimizer, looked, summed, old_state, rows > 0, lr, ocfg)
         ok = metrics["finite"]
@@ -636,10 +680,10 @@ def make_sharded_table_step(B, cfg, devices):
         state = {k: s.at[rows].set(keep(new_state[k], old_state[k])) for k, s in state.items()}
         return params, opt_state, metrics, values[None], {k: v[None] for k, v in state.items()}
 
-    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh,
-                                    in_specs=(P(), P(), P("data"), P("data"), P(), P("data"), P("data"), P("data")),
-                                    out_specs=(P(), P(), P(), P("data"), P("data")), check_vma=False))
-    data_sharding = NamedSharding(mesh, P("data"))
+    spec = P(ranks)
+    sharded = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(), spec, spec, P(), spec, spec, spec),
+                                    out_specs=(P(), P(), P(), spec, spec), check_vma=False))
+    data_sharding = NamedSharding(mesh, spec)
 
     def step(params, opt_state, micro, scales, global_tokens, values, state, plan):
         micro = B.device_put(micro, data_sharding)

@@ -800,10 +800,13 @@ def _validate_devices(cfg: Config, fail) -> None:
         fail("dist", key, f"the JAX mesh trains model.task='retrieval'; {cfg.model.task!r} runs data-parallel as "
                           f"torch ranks (--backend torch --nproc N)")
     e = cfg.embedding
-    if e.sharding == "row" and (e.hierarchical or e.exchange != "fp32" or e.staleness):
-        fail("embedding", "hierarchical" if e.hierarchical else "exchange" if e.exchange != "fp32" else "staleness",
-             "the JAX mesh's row exchange is flat, fp32 and synchronous; the hierarchical, 16-bit and stale "
-             "exchanges run on torch ranks (--backend torch --nproc N)")
+    if e.sharding == "row" and (e.exchange != "fp32" or e.staleness):
+        fail("embedding", "exchange" if e.exchange != "fp32" else "staleness",
+             "the JAX mesh's row exchange is fp32 and synchronous; the 16-bit and stale exchanges run on torch "
+             "ranks (--backend torch --nproc N)")
+    ranks = cfg.dist.nproc * max(1, cfg.dist.devices)
+    if e.sharding == "row" and e.node_size and ranks % e.node_size:
+        fail("embedding", "node_size", f"must divide the ranks, dist.nproc x dist.devices = {ranks}")
 
 
 def _validate_ranking(cfg: Config, fail) -> None:

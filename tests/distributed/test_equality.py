@@ -223,7 +223,8 @@ def test_row_sharded_on_jax_devices_equals_torch_ranks_and_resumes_across(row_sh
     the owners' rows on the devices, rows and gradients by jax.lax.all_to_all): the 2 torch
     ranks' params, losses, table records (ids, dedup, hash counters, exchanged bytes: equal) and
     rows by id. The torch run's step-3 checkpoint resumes on 4 JAX devices (re-sharded by id) to
-    the same losses, and the JAX run's checkpoint evaluates on one process."""
+    the same losses; on 4 devices as 2 nodes of 2 (the two-level exchange over a "node" x
+    "local" mesh) the same losses and rows; the JAX run's checkpoint evaluates on one process."""
     import shutil
     import subprocess
 
@@ -238,9 +239,11 @@ def test_row_sharded_on_jax_devices_equals_torch_ranks_and_resumes_across(row_sh
     for step, path in CheckpointDir(four / "checkpoints").steps():
         if step > 3:
             path.unlink()
-    procs = [subprocess.Popen(train_command(out, *sets, args=["--backend", "jax", "--devices", str(n)]), cwd=ROOT,
-                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for out, n in ((jax_out, 2), (four, 4))]
+    two_level = tmp_path / "jax-4-hierarchical"
+    procs = [subprocess.Popen(train_command(out, *sets, *extra, args=["--backend", "jax", "--devices", str(n)]),
+                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for out, n, extra in ((jax_out, 2, []), (four, 4, []),
+                                   (two_level, 4, ["embedding.node_size=2", "embedding.hierarchical=true"]))]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -253,9 +256,13 @@ def test_row_sharded_on_jax_devices_equals_torch_ranks_and_resumes_across(row_sh
         assert abs(g["loss"] - w["loss"]) <= LOSS_TOL * abs(w["loss"]) and g["embedding"] == w["embedding"], g["step"]
     rows, ref = _table_by_id(jax_out), _table_by_id(torch_run)
     assert set(rows) == set(ref) and max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-5
-    resumed = _train_records(four)
-    assert [r["step"] for r in resumed] == list(range(1, 7))
-    assert all(abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]) for a, b in zip(resumed, want))
+    for out in (four, two_level):
+        runs = _train_records(out)
+        assert [r["step"] for r in runs] == list(range(1, 7)), out.name
+        assert all(abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]) for a, b in zip(runs, want)), out.name
+    rows = _table_by_id(two_level)
+    assert set(rows) == set(ref) and max(float(abs(rows[i] - ref[i]).max()) for i in ref) <= 1e-5
+    assert _train_records(two_level)[-1]["embedding"]["exchange"]["ids_intra"] > 0  # the first hop stays in the node
     a = json.loads((jax_out / "eval.json").read_text())["last_epoch_test"]
     t = evaluate_checkpoint(jax_out / "checkpoints" / "last.safetensors", "torch")
     assert abs(a["hr@10"] - t["hr@10"]) <= 1e-6
