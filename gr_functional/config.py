@@ -802,8 +802,8 @@ def _validate_devices(cfg: Config, fail) -> None:
     e = cfg.embedding
     if e.sharding == "row" and (e.exchange != "fp32" or e.staleness):
         fail("embedding", "exchange" if e.exchange != "fp32" else "staleness",
-             "the JAX mesh's row exchange is fp32 and synchronous; the 16-bit and stale exchanges run on torch "
-             "ranks (--backend torch --nproc N)")
+             f"on the JAX mesh (dist.devices={cfg.dist.devices}, dist.nproc={cfg.dist.nproc}) the row exchange is "
+             f"fp32 and synchronous; the 16-bit and stale exchanges run on torch ranks (--backend torch --nproc N)")
     ranks = cfg.dist.nproc * max(1, cfg.dist.devices)
     if e.sharding == "row" and e.node_size and ranks % e.node_size:
         fail("embedding", "node_size", f"must divide the ranks, dist.nproc x dist.devices = {ranks}")

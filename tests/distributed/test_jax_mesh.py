@@ -91,9 +91,9 @@ def test_resume_across_device_counts_and_backends(tmp_path, single_jax, single_t
     (["--backend", "jax", "--devices", "4"], [], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
      "JAX sees 2 cpu device(s)"),
     (["--backend", "torch", "--devices", "2"], [], {}, "use --nproc N"),
-    (["--backend", "jax", "--devices", "2"], ["embedding.sharding=row", "embedding.optimizer=lazy_adam"], {},
-     "embedding.sharding = 'replicated'"),
-], ids=["more-than-exist", "torch", "row-sharded"])
+    (["--backend", "jax", "--devices", "2"], ["embedding.sharding=row", "embedding.optimizer=lazy_adam",
+                                              "embedding.exchange=fp16"], {}, "the 16-bit and stale exchanges run on torch"),
+], ids=["more-than-exist", "torch", "row-16-bit"])
 def test_refused_at_once_naming_the_fix(tmp_path, args, sets, env, message):
     out = tmp_path / "run"
     r = subprocess.run(train_command(out, *sets, args=args), cwd=ROOT, env=subprocess_env(**env),

@@ -125,6 +125,8 @@ def test_dist_config_errors_name_the_key(setup, monkeypatch):
             validate(replace(cfg, dist={key: value}))
     from gr_functional.runner import train
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="multi-process training runs the torch backends"):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # JAX processes: where they meet is asked first, before anything is read
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GRF_JAX_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="several JAX processes meet at a coordinator: set GRF_JAX_COORDINATOR"):
         train(replace(cfg, backend={"name": "jax"}), "/nonexistent/never-written")
