@@ -372,6 +372,20 @@ def _wait_for_listener(address: str, within_s: float, what: str) -> None:
             time.sleep(0.2)
 
 
+def check_even(asked: dict, available: dict) -> None:
+    """``ConfigError`` unless every process asks for the same number of devices (``asked``:
+    process -> ``dist.devices``) and has that many (``available``): the mesh is even."""
+    if len(set(asked.values())) > 1:
+        each = ", ".join(f"process {p}: {n}" for p, n in sorted(asked.items()))
+        raise ConfigError(f"dist.devices differs between the JAX processes ({each}); every process trains the same "
+                          f"number of ranks (an even mesh): start each with the same --devices")
+    per = next(iter(asked.values()))
+    short = {p: n for p, n in available.items() if n < per}
+    if short:
+        raise ConfigError(f"dist.devices={per}: process(es) {sorted(short)} have only {sorted(set(short.values()))} "
+                          f"device(s); start every process with --devices at most the devices of each")
+
+
 def join(cfg) -> MeshComm:
     """The mesh of ``cfg.dist.devices`` (at least 1) devices of ``backend.device``'s platform
     (default JAX's) of each process: one process, or ``WORLD_SIZE`` processes (``RANK`` this one)
@@ -388,17 +402,19 @@ def join(cfg) -> MeshComm:
     everyone = jax.devices(platform) if platform else jax.devices()
     by_process = {p: sorted((d for d in everyone if d.process_index == p), key=lambda d: d.id)
                   for p in range(processes)}
-    short = {p: len(ds) for p, ds in by_process.items() if len(ds) < per}
-    if short:
-        raise ConfigError(f"dist.devices={per}: process(es) {sorted(short)} have only {sorted(set(short.values()))} "
-                          f"device(s); every process trains the same number of ranks (an even mesh): start each "
-                          f"with the same --devices, no more than its devices")
-    devices = [d for p in range(processes) for d in by_process[p][:per]]
     client = None
     if processes > 1:
         from jax._src import distributed  # the coordination service's key-value store: no public handle
 
         client = distributed.global_state.client
+        # every process says how many ranks it trains; all refuse an uneven mesh, naming each
+        client.key_value_set(f"grf/devices/{process}", str(per))
+        wait_ms = int(1000 * limits(cfg.dist.timeout_s).collective_s)
+        check_even({p: int(client.blocking_key_value_get(f"grf/devices/{p}", wait_ms)) for p in range(processes)},
+                   {p: len(ds) for p, ds in by_process.items()})
+    else:
+        check_even({0: per}, {0: len(by_process[0])})
+    devices = [d for p in range(processes) for d in by_process[p][:per]]
     return MeshComm(devices, process, processes, client)
 
 

@@ -121,3 +121,16 @@ def test_hash_table_accumulation_and_idle_devices(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]) and a["embedding"] == b["embedding"], a["step"]
     table = two[-1]["embedding"]["table"]
     assert table["occupancy"] == table["capacity"] == 24 and table["overflow"] > 0
+
+
+def test_an_uneven_mesh_is_refused_naming_each_process():
+    """Processes asking for different device counts, or with fewer devices than asked, are refused
+    on every process (``dist_jax.join`` gathers each process's count first)."""
+    from backends.dist_jax import check_even
+    from gr_functional.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="differs between the JAX processes \\(process 0: 2, process 1: 4\\)"):
+        check_even({0: 2, 1: 4}, {0: 2, 1: 4})
+    with pytest.raises(ConfigError, match="process\\(es\\) \\[1\\] have only \\[1\\] device"):
+        check_even({0: 2, 1: 2}, {0: 2, 1: 1})
+    check_even({0: 2, 1: 2}, {0: 8, 1: 8})  # a host with more devices trains on the first ones
