@@ -7,6 +7,9 @@ Configs (``STEP_CONFIGS``):
   kuairand_1k                 a larger model (D = 256, 4 blocks, 4 heads of 64, max_len 1024,
                               128 negatives, 50,000 items) on 16 sequences drawn from the real
                               KuaiRand-27K lengths truncated at 1024 (~15.6k tokens)
+  nvidia_hstu_512             NVIDIA recsys-examples' benchmark widths (D = 1024, 8 blocks, 4 heads
+                              of 256) on 4 fixed-length sequences of 512 (``NVIDIA_SHAPES``; the
+                              full shape, 32 x 4096, is "nvidia_hstu", for a GPU)
 
 What is timed: ``step.make_train_step`` (forward, backward, AdamW update; jitted on JAX), the
 median of ``repeats`` steps after one warm-up (JAX compiles in it), each step fed the same batch
@@ -31,17 +34,31 @@ from .common import kuairand_lengths, median_seconds, synthetic_batch, timed_cal
 
 KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_heads=4, dqk=64, dv=64,
                           max_len=1024)
-STEP_CONFIGS = ("ml1m_hstu", "ml1m_hstu_large", "kuairand_1k")
+# NVIDIA recsys-examples' HSTU benchmark shape (examples/hstu/training/configs/benchmark_ranking.gin
+# at a00a749): 8 layers, 4 heads of kv_channels 256, hidden 1024, 32 sequences of a fixed 4096 tokens
+# (is_jagged False). As our retrieval HSTU: embed_dim = hidden (their item embedding is 128, then
+# projected; ours is the hidden width), GR's 128 sampled negatives, 50,000 items. Their ranking head
+# and contextual features are left out. "nvidia_hstu" is the shape itself (a GPU's: 57 TFLOPs per
+# step by their formula); "nvidia_hstu_512" the same widths on 4 sequences of 512 (0.47 TFLOPs),
+# which a CPU steps in seconds.
+NVIDIA_HSTU = ModelConfig(num_items=50_000, embed_dim=1024, num_blocks=8, num_heads=4, dqk=256, dv=256,
+                          max_len=4096)
+NVIDIA_SHAPES = {"nvidia_hstu": (NVIDIA_HSTU, 32), "nvidia_hstu_512": (dataclasses.replace(NVIDIA_HSTU, max_len=512), 4)}
+STEP_CONFIGS = ("ml1m_hstu", "ml1m_hstu_large", "kuairand_1k", "nvidia_hstu_512")
 
 
 def step_setup(name: str, base_cfg):
     """``(cfg, numpy batch)`` of a benchmark config; backend settings come from ``base_cfg``."""
+    from gr_functional.losses import negatives_for
+
     if name == "kuairand_1k":
         cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
         lengths = np.random.default_rng(0).choice(kuairand_lengths(cfg.model.max_len), size=16, replace=False)
-        from gr_functional.losses import negatives_for
-
         return cfg, synthetic_batch(cfg.model, lengths, seed=0, negatives=negatives_for(cfg))
+    if name in NVIDIA_SHAPES:  # fixed-length sequences, as their benchmark feeds them
+        shape, sequences = NVIDIA_SHAPES[name]
+        cfg = dataclasses.replace(base_cfg, model=shape)
+        return cfg, synthetic_batch(cfg.model, [shape.max_len] * sequences, seed=0, negatives=negatives_for(cfg))
     from gr_functional.data import batching, split as split_mod
     from gr_functional.retrieval.task import load_sequences, resolve
 

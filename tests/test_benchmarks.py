@@ -40,13 +40,17 @@ def test_attention_bench_json(capsys):
 def small_step_config(monkeypatch):
     monkeypatch.setattr(step, "KUAIRAND_1K", dataclasses.replace(
         step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64))
+    monkeypatch.setitem(step.NVIDIA_SHAPES, "nvidia_hstu_512", (dataclasses.replace(
+        step.NVIDIA_HSTU, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=32), 2))
 
 
 def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     cfg = load_config(None)
-    mfu.run(json_lines=True, cfg=cfg, configs=("kuairand_1k",), repeats=1, peak_n=512)
+    mfu.run(json_lines=True, cfg=cfg, configs=("kuairand_1k", "nvidia_hstu_512"), repeats=1, peak_n=512)
     rows = _lines(capsys)
-    assert [r["backend"] for r in rows] == ["torch", "jax"]
+    assert [(r["backend"], r["config"]) for r in rows] == [(b, c) for b in ("torch", "jax")
+                                                            for c in ("kuairand_1k", "nvidia_hstu_512")]
+    assert all(r["tokens"] == 2 * 32 for r in rows if r["config"] == "nvidia_hstu_512")  # fixed lengths
     for r in rows:
         assert r["mfu"] > 0 and r["peak_flops"] > 0 and r["model_flops"] > 0
         assert r["model_flops"] == sum(r["flops_parts"].values())
