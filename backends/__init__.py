@@ -8,7 +8,7 @@ import importlib
 
 from . import kernels, loss_ops, ops, row_kernels  # noqa: F401 - they register the shipped implementations
 from .base import Backend
-from .catalog import BACKENDS, BackendUnavailable, backend_class, backend_names, register_backend
+from .catalog import BACKENDS, BackendUnavailable, backend_class, backend_names, multi_process_backends, register_backend
 
 
 def backend_status(name: str) -> tuple[bool, str]:
@@ -38,4 +38,4 @@ def get_backend(name: str, **options) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "BackendUnavailable", "backend_class", "backend_names", "backend_status",
-           "get_backend", "ops", "register_backend"]
+           "get_backend", "multi_process_backends", "ops", "register_backend"]

@@ -33,6 +33,11 @@ def backend_names() -> list[str]:
     return list(BACKENDS.names())
 
 
+def multi_process_backends() -> list[str]:
+    """The registered backends whose runs span several processes (``multi_process``)."""
+    return [n for n in BACKENDS.names() if backend_class(n).multi_process]
+
+
 def backend_class(name: str) -> type:
     """The Backend subclass registered as ``name``. Imports its module, which imports no array
     library (they load when a backend is created)."""

@@ -131,7 +131,6 @@ def make_sharded_train_step(B, cfg, devices=None):
         params, opt_state, metrics = sharded(params, opt_state, micro, scales, np.float32(global_tokens))
         return params, opt_state, local_copy(metrics)  # the host reads them: this process's copy
 
-    step.mesh = mesh
     return step
 
 
@@ -303,7 +302,6 @@ class MeshComm(LocalComm):
         def step(params, opt_state, micro, scales, global_tokens):
             return sharded(params, opt_state, [stack_rank_batches(parts) for parts in micro], scales, global_tokens)
 
-        step.mesh = sharded.mesh
         return step
 
 
@@ -389,14 +387,12 @@ def check_even(asked: dict, available: dict) -> None:
 def join(cfg) -> MeshComm:
     """The mesh of ``cfg.dist.devices`` (at least 1) devices of ``backend.device``'s platform
     (default JAX's) of each process: one process, or ``WORLD_SIZE`` processes (``RANK`` this one)
-    joined by ``jax.distributed`` (``initialize``, called first)."""
+    that ``JaxBackend.prepare_process`` joined by ``jax.distributed`` (``initialize``), having
+    asked XLA for the host devices first."""
     import jax
 
     processes, process = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     per = max(1, cfg.dist.devices)
-    force_host_devices(per)
-    if processes > 1:
-        initialize(cfg, processes, process)
     mesh_devices(per, cfg.backend.device or None)  # enough devices here, or a ConfigError saying how
     platform = cfg.backend.device or None
     everyone = jax.devices(platform) if platform else jax.devices()
@@ -412,8 +408,6 @@ def join(cfg) -> MeshComm:
         wait_ms = int(1000 * limits(cfg.dist.timeout_s).collective_s)
         check_even({p: int(client.blocking_key_value_get(f"grf/devices/{p}", wait_ms)) for p in range(processes)},
                    {p: len(ds) for p, ds in by_process.items()})
-    else:
-        check_even({0: per}, {0: len(by_process[0])})
     devices = [d for p in range(processes) for d in by_process[p][:per]]
     return MeshComm(devices, process, processes, client)
 

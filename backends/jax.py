@@ -45,6 +45,7 @@ def _register_dataclasses(tree: Any) -> None:
 class JaxBackend(Backend):
     name = "jax"
     static_shapes = True    # jit compiles one program per input shape
+    multi_process = True    # jax.distributed processes joining one mesh (``join``)
 
     def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None):
         """ops: ``{op: implementation}`` of the op registry (backends/ops.py; omitted ops take

@@ -72,6 +72,10 @@ class ArrayRuntime:
         """Process-wide settings ``cfg`` asks of this backend, applied before the backend starts
         (``gr_functional.runtime.prepare_process``). Default: none."""
 
+    # can several processes train one run (``grf train --nproc``, torchrun's WORLD_SIZE)? ``join``
+    # then says how they meet
+    multi_process = False
+
     @classmethod
     def launch_env(cls) -> dict:
         """Environment ``grf train --nproc N`` adds for the processes it starts on this host

@@ -13,6 +13,7 @@ import numpy as np
 
 from gr_functional.tree import tree_items, tree_map, tree_map_with_path
 
+from . import dist_torch
 from .base import Backend, BackendUnavailable
 
 
@@ -21,13 +22,12 @@ class TorchBackend(Backend):
     # "best": the fused C++ CPU ops (backends/cpu_fused) for the calls they serve where the
     # extension builds, else jagged attention and the row-chunked torch Functions below
     default_ops = {**Backend.default_ops, "attention": "best", "sampled_logits": "best", "shared_logsumexp": "best"}
+    multi_process = True  # torchrun's ranks (``join``)
 
     @classmethod
     def join(cls, cfg):
         """One rank per process, launched by torchrun (backends/dist_torch.py): its process group
         and its device (cpu for gloo, cuda:/npu:LOCAL_RANK for nccl/hccl)."""
-        from . import dist_torch
-
         device = dist_torch.device_for(cfg.dist.backend, cfg.backend.device)
         return dist_torch.init(cfg.dist, device), device
 

@@ -90,16 +90,15 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     import shutil
     import subprocess
 
-    from backends import backend_class, dist_torch
+    from backends import backend_class, dist_torch, multi_process_backends
 
     from .config import ConfigError, parse_override, replace, validate as config_rules
-    from .runner import MULTI_PROCESS_BACKENDS
     from .configure import validate
 
     validate(cfg)  # user errors once, before N processes start
-    if cfg.backend.name not in MULTI_PROCESS_BACKENDS:
+    if not backend_class(cfg.backend.name).multi_process:
         raise ConfigError(f"--nproc {nproc}: multi-process training runs the backends "
-                          f"{', '.join(MULTI_PROCESS_BACKENDS)}, not backend.name={cfg.backend.name!r}")
+                          f"{', '.join(multi_process_backends())}, not backend.name={cfg.backend.name!r}")
     # what a launched rank would refuse with dist.nproc = N (embedding.node_size must divide it):
     # refused here, in one line, before torchrun starts (the config read above had the file's nproc)
     origins = {parse_override(item)[:2]: f"--set {item}" for item in args.set or []}

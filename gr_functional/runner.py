@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends import backend_class, ops
+from backends import backend_class, multi_process_backends, ops
 
 from . import results
 from .checkpoint import (Checkpoint, CheckpointDir, CheckpointError, NonFiniteState, WriteError, atomic_write_bytes,
@@ -64,9 +64,6 @@ from .runlock import RunLock
 from .runtime import make_backend, prepare_process
 from .task import Task, get_task
 from .step import init_opt_state
-
-MULTI_PROCESS_BACKENDS = ("torch", "npu", "jax")
-
 
 def _fault_point(name: str, step: int) -> None:
     """``checkpoint.fault_point``, limited to rank ``GRF_FAULT_RANK`` when that is set (tests of a
@@ -109,9 +106,9 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     import_plugins(cfg.train.plugins)
     processes = world_size()
     if processes > 1:
-        if cfg.backend.name not in MULTI_PROCESS_BACKENDS:
+        if not backend_class(cfg.backend.name).multi_process:
             raise ConfigError(f"backend.name={cfg.backend.name!r}: multi-process training runs the backends "
-                              f"{', '.join(MULTI_PROCESS_BACKENDS)}")
+                              f"{', '.join(multi_process_backends())}")
         cfg = replace(cfg, dist={"nproc": processes})  # the resolved config records the real world size
     validate(cfg)
     # what the script calling grf.fit registered itself: recorded, so a resume or grf eval finds it
