@@ -8,7 +8,7 @@ Configs (``STEP_CONFIGS``):
                               128 negatives, 50,000 items) on 16 sequences drawn from the real
                               KuaiRand-27K lengths truncated at 1024 (~15.6k tokens)
   nvidia_hstu_512             NVIDIA recsys-examples' benchmark widths (D = 1024, 8 blocks, 4 heads
-                              of 256) on 4 fixed-length sequences of 512 (``NVIDIA_SHAPES``; the
+                              of 256) on 4 fixed-length sequences of 512 (``SYNTHETIC``; the
                               full shape, 32 x 4096, is "nvidia_hstu", for a GPU)
 
 What is timed: ``step.make_train_step`` (forward, backward, AdamW update; jitted on JAX), the
@@ -43,7 +43,16 @@ KUAIRAND_1K = ModelConfig(num_items=50_000, embed_dim=256, num_blocks=4, num_hea
 # which a CPU steps in seconds.
 NVIDIA_HSTU = ModelConfig(num_items=50_000, embed_dim=1024, num_blocks=8, num_heads=4, dqk=256, dv=256,
                           max_len=4096)
-NVIDIA_SHAPES = {"nvidia_hstu": (NVIDIA_HSTU, 32), "nvidia_hstu_512": (dataclasses.replace(NVIDIA_HSTU, max_len=512), 4)}
+# name -> (model, sequences, fixed_length): a synthetic batch of that many sequences, of length
+# max_len (fixed_length, as NVIDIA's benchmark feeds them) or drawn from the real KuaiRand-27K
+# lengths truncated at max_len. The "tiny_" ones are the same kinds at toy widths, for
+# ``grf bench device --tiny`` (the whole device command checked in CI in seconds).
+TINY = ModelConfig(num_items=500, embed_dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16, max_len=64)
+SYNTHETIC = {"kuairand_1k": (KUAIRAND_1K, 16, False),
+             "nvidia_hstu": (NVIDIA_HSTU, 32, True),
+             "nvidia_hstu_512": (dataclasses.replace(NVIDIA_HSTU, max_len=512), 4, True),
+             "tiny_kuairand": (TINY, 4, False),
+             "tiny_nvidia": (dataclasses.replace(TINY, num_heads=1, dqk=32, dv=32, max_len=32), 2, True)}
 STEP_CONFIGS = ("ml1m_hstu", "ml1m_hstu_large", "kuairand_1k", "nvidia_hstu_512")
 
 
@@ -51,14 +60,14 @@ def step_setup(name: str, base_cfg):
     """``(cfg, numpy batch)`` of a benchmark config; backend settings come from ``base_cfg``."""
     from gr_functional.losses import negatives_for
 
-    if name == "kuairand_1k":
-        cfg = dataclasses.replace(base_cfg, model=KUAIRAND_1K)
-        lengths = np.random.default_rng(0).choice(kuairand_lengths(cfg.model.max_len), size=16, replace=False)
-        return cfg, synthetic_batch(cfg.model, lengths, seed=0, negatives=negatives_for(cfg))
-    if name in NVIDIA_SHAPES:  # fixed-length sequences, as their benchmark feeds them
-        shape, sequences = NVIDIA_SHAPES[name]
+    if name in SYNTHETIC:
+        shape, sequences, fixed = SYNTHETIC[name]
         cfg = dataclasses.replace(base_cfg, model=shape)
-        return cfg, synthetic_batch(cfg.model, [shape.max_len] * sequences, seed=0, negatives=negatives_for(cfg))
+        if fixed:
+            lengths = [shape.max_len] * sequences
+        else:
+            lengths = np.random.default_rng(0).choice(kuairand_lengths(shape.max_len), size=sequences, replace=False)
+        return cfg, synthetic_batch(cfg.model, lengths, seed=0, negatives=negatives_for(cfg))
     from gr_functional.data import batching, split as split_mod
     from gr_functional.retrieval.task import load_sequences, resolve
 

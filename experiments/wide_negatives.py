@@ -40,6 +40,10 @@ GRID = {
     "full-t07": ["loss.name=full_softmax", "loss.temperature=0.07"],
     # the pools at the full softmax's temperature (at GR's 0.05 they are .03 behind)
     "pool-2048-t10": ["loss.name=shared_pool", "loss.num_negatives=2048", "loss.temperature=0.1"],
+    # a pool covering most of the catalogue each step (experiments/pool_gradient.py: a pool of
+    # 2,048 names 40% of the items, and its item-table gradient is the one far from the full softmax's;
+    # one of R = N names 63%)
+    "pool-3952-t10": ["loss.name=shared_pool", "loss.num_negatives=3952", "loss.temperature=0.1"],
     "mixed-1024-t10": ["loss.name=mixed_pool", "loss.num_negatives=1024", "loss.batch_negatives=128",
                        "loss.temperature=0.1"],
     # beyond negatives: the optimiser's pace (at 20 epochs GR's recipe is still climbing)

@@ -8,7 +8,7 @@
     grf crosscheck --config FILE --backends jax,torch [--steps N [--out DIR]] [--json] [--set key=value ...]
     grf crosscheck --checkpoint OUT/checkpoints/last.safetensors --backends jax,torch [--split valid]
     grf data fetch ml-1m | grf data info
-    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|data_parallel|embedding|pipeline|pipeline_sharded|negatives|ranking [--json] ...
+    grf bench attention|mfu|throughput|compile|recompute|profile|roofline|balance|calibrate|dist_imbalance|data_parallel|embedding|pipeline|pipeline_sharded|negatives|ranking|device [--json] [--tiny] ...
     grf report RUN_DIR [RUN_DIR ...] [--group-seeds] [--metrics hr@10,ndcg@10] [--curve hr@10] [--json]
 
 Exit codes: 0 done, 2 user error (nothing written; also: the run folder is in use by another run),
@@ -324,7 +324,8 @@ BENCHMARKS = {"attention": "benchmarks.attention", "mfu": "benchmarks.mfu", "thr
               "scaling": "benchmarks.scaling", "compile": "benchmarks.compile", "roofline": "benchmarks.roofline",
               "recompute": "benchmarks.recompute", "pipeline_sharded": "benchmarks.pipeline_sharded",
               "ranking": "benchmarks.ranking", "ranking_baselines": "benchmarks.ranking_baselines",
-              "ranking_scale": "benchmarks.ranking_scale", "data_parallel": "benchmarks.data_parallel"}
+              "ranking_scale": "benchmarks.ranking_scale", "data_parallel": "benchmarks.data_parallel",
+              "device": "benchmarks.device"}
 
 
 def cmd_bench(args) -> int:
@@ -349,6 +350,10 @@ def cmd_bench(args) -> int:
         kwargs["cfg"] = _load(args)
     elif args.config or args.set or args.backend:
         raise SystemExit(f"grf bench {args.name}: takes no --config/--set/--backend")
+    if "tiny" in params:
+        kwargs["tiny"] = args.tiny
+    elif args.tiny:
+        raise SystemExit(f"grf bench {args.name}: takes no --tiny (grf bench device does)")
     if args.record is None:
         run(**kwargs)
         return 0
@@ -472,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", help="backend to measure on (calibrate; default backend.name); attention, mfu, "
                                       "throughput: comma-separated list (default torch,jax)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
+    b.add_argument("--tiny", action="store_true", help="device: the whole command at toy sizes (its CI check)")
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("report", help="compare runs: test metrics of each run's selected epoch, or a metric per epoch")

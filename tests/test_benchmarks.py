@@ -38,10 +38,10 @@ def test_attention_bench_json(capsys):
 
 @pytest.fixture
 def small_step_config(monkeypatch):
-    monkeypatch.setattr(step, "KUAIRAND_1K", dataclasses.replace(
-        step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64))
-    monkeypatch.setitem(step.NVIDIA_SHAPES, "nvidia_hstu_512", (dataclasses.replace(
-        step.NVIDIA_HSTU, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=32), 2))
+    monkeypatch.setitem(step.SYNTHETIC, "kuairand_1k", (dataclasses.replace(
+        step.KUAIRAND_1K, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=64), 16, False))
+    monkeypatch.setitem(step.SYNTHETIC, "nvidia_hstu_512", (dataclasses.replace(
+        step.NVIDIA_HSTU, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=32), 2, True))
 
 
 def test_mfu_and_throughput_bench_json(capsys, small_step_config):
@@ -307,3 +307,28 @@ def test_scaling_bench_byte_model_and_projection():
         for key in ("device_serial", "device_overlapped", "host_serial", "host_overlapped"):
             assert 0 < r[f"efficiency_{key}"] <= 1
         assert (r["comm_s"] == 0) == (r["ranks"] == 1) and r["tokens_per_rank"] == scaling.PROJECT_TOKENS
+
+
+def test_device_bench_tiny_records_every_section(tmp_path, capsys):
+    """``grf bench device --tiny``: the whole device command (attention kernels, the training step's
+    MFU both ways on every backend, the loop's busy fraction) at toy sizes, recorded as a results file."""
+    from gr_functional import cli, results
+
+    out = tmp_path / "device.jsonl"
+    assert cli.main(["bench", "device", "--tiny", "--record", str(out)]) == 0
+    stamp, rows = results.read(out)
+    assert stamp["command"].startswith("grf bench device --tiny")
+    by = {}
+    for r in rows:
+        by.setdefault(r["bench"], []).append(r)
+    assert set(by) == {"attention", "mfu", "pipeline", "device"}
+    assert {r["backend"] for r in by["attention"]} == {r["backend"] for r in by["mfu"]} == {"torch", "jax"}
+    assert {r["truncation"] for r in by["attention"]} == {64}
+    assert {r["config"] for r in by["mfu"]} == {"tiny_kuairand", "tiny_nvidia"}
+    assert all(r["mfu"] > 0 and r["mfu_nvidia"] > 0 for r in by["mfu"])
+    assert {(r["backend"], r["prefetch"]) for r in by["pipeline"]} == {(b, p) for b in ("torch", "jax") for p in (0, 2)}
+    assert all(0 < r["busy"] <= 1 for r in by["pipeline"])
+    [total] = by["device"]
+    assert total["rows"] == len(rows) - 1 and total["wall_s"] > 0
+    with pytest.raises(SystemExit, match="takes no --tiny"):
+        cli.main(["bench", "mfu", "--tiny"])
