@@ -235,6 +235,21 @@ register_kernel("triton", factory=_triton_factory, backends=("torch", "npu"), dt
                 doc="portable Triton jagged attention, bias computed in-kernel, no score matrix in memory")
 
 
+def _pallas_factory(B):
+    """The Pallas jagged kernel (backends/pallas_hstu.py): interpret mode on a CPU, Pallas' GPU
+    lowering on a GPU."""
+    from . import pallas_hstu
+
+    return pallas_hstu.make_kernel(B)
+
+
+# float32 in, fp32 accumulation; on a CPU it is interpreted (verification speed, not training
+# speed), which is why "jagged" stays JAX's default.
+register_kernel("pallas", factory=_pallas_factory, backends=("jax",), dtypes=("float32",), precisions=("fp32",),
+                devices=("cpu", "gpu"),
+                doc="Pallas jagged attention: no padding, bias in-kernel, no atomics (interpreted on CPU)")
+
+
 def _mxrec_limits(model) -> str | None:
     """The documented limits of mxrec.hstu_jagged that a model's shapes can violate."""
     from npu_ops.mxrec_hstu import HSTU_JAGGED_LIMITS as lim

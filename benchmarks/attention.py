@@ -18,7 +18,8 @@ In fp32 (``backend.precision`` is not applied here). Variants (each backend):
   fused   (torch on CPU only) jagged rows and the fused C++ tiles (``ops.attention =
           "cpu_fused"``, backends/cpu_fused: products on BLAS, the elementwise work in cache, the
           tiles recomputed in backward: autograd keeps q, k, v only);
-  triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops.
+  triton  (torch on CUDA only) jagged rows and the Triton kernel of npu_ops;
+  pallas  (JAX on a GPU only) jagged rows and the Pallas kernel (backends/pallas_hstu.py).
 
 Fields: seconds (median of 3 after a warm-up/compile), memory_bytes with memory_kind
 (``Backend.memory_profile``: autograd-saved bytes on torch CPU, peak allocated on CUDA, XLA temp
@@ -98,6 +99,8 @@ def variants(label, B):
         from backends import get_backend
 
         yield "triton", get_backend("torch", device=str(B.torch_device), ops={"attention": "triton"})
+    if label == "jax" and B.device_kind == "gpu":  # on a CPU the Pallas kernel is interpreted: a test, not a speed
+        yield "pallas", kernel_variant(B, "pallas")
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, truncations=TRUNCATIONS,

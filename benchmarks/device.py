@@ -5,7 +5,7 @@ NPU: ``--backend torch_npu``).
 Three sections, each the rows of an existing benchmark (their ``bench`` field names the section):
 
   attention  ``benchmarks.attention``: one HSTU layer forward + backward, padded vs the jagged
-             kernels each backend has on the device (tiles; Triton on CUDA), on real KuaiRand-27K
+             kernels each backend has on the device (tiles; Triton and Pallas on a GPU), on real KuaiRand-27K
              lengths truncated at 256 / 1024 / 4096
   mfu        ``benchmarks.mfu``: the training step of ml1m_hstu, ml1m_hstu_large, kuairand_1k and
              NVIDIA's benchmark shape (``nvidia_hstu``, 32 x 4096, D = 1024), on every backend, in

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from .config import Config
+from .errors import ConfigError
 from .registry import Registry
 
 
@@ -130,8 +131,6 @@ def register_task(name: str, task: Task, *, replace: bool = False) -> Task:
 
 
 def get_task(name: str) -> Task:
-    from .errors import ConfigError
-
     return TASKS.get_or(name, lambda message: ConfigError(f"model.task={name!r}: {message}"))
 
 
