@@ -99,13 +99,17 @@ def _tile(q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, qm
     return s, valid, pos_idx, bucket
 
 
-def _fwd_kernel(task_ref, q_ref, k_ref, v_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, o_ref, *, block,
-                norm_len, has_pos, has_ts, n_thr):
-    t, h = pl.program_id(0), pl.program_id(1)
-    task = [task_ref[i, t] for i in range(5)]
-    tile = functools.partial(_tile, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, block=block,
-                             norm_len=norm_len, has_pos=has_pos, has_ts=has_ts, n_thr=n_thr)
-    qm = task[3]
+def _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static):
+    """``(head, task row [5 scalars], tile(qm, km))`` of the running program (grid = task, head)."""
+    h = pl.program_id(1)
+    task = [task_ref[i, pl.program_id(0)] for i in range(5)]
+    return h, task, functools.partial(_tile, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task,
+                                      **static)
+
+
+def _fwd_kernel(task_ref, q_ref, k_ref, v_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, o_ref, **static):
+    h, task, tile = _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static)
+    block, norm_len, qm = static["block"], static["norm_len"], task[3]
 
     def body(km, acc):
         s, valid, _, _ = tile(qm, km)
@@ -119,12 +123,9 @@ def _fwd_kernel(task_ref, q_ref, k_ref, v_ref, pos_ref, tsw_ref, thr_ref, qts_re
 
 
 def _dq_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref,
-               dq_ref, dpos_ref, dts_ref, *, block, norm_len, has_pos, has_ts, n_thr):
-    t, h = pl.program_id(0), pl.program_id(1)
-    task = [task_ref[i, t] for i in range(5)]
-    tile = functools.partial(_tile, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, block=block,
-                             norm_len=norm_len, has_pos=has_pos, has_ts=has_ts, n_thr=n_thr)
-    qm = task[3]
+               dq_ref, dpos_ref, dts_ref, **static):
+    h, task, tile = _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static)
+    block, norm_len, qm = static["block"], static["norm_len"], task[3]
     dob = do_ref[pl.ds(task[0], block), h, :].astype(jnp.float32)
     band = jnp.arange(2 * block - 1, dtype=jnp.int32)
     diag = (jnp.arange(block)[None, :] - jnp.arange(block)[:, None] + (block - 1))   # [BM, BN]: c - r + BM - 1
@@ -140,12 +141,12 @@ def _dq_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_ref,
         dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = jnp.where(valid, dp * sig * (1.0 + s * (1.0 - sig)) / norm_len, 0.0)
         dq = dq + jnp.dot(ds, kb, preferred_element_type=jnp.float32)
-        if has_pos:  # the tile's diagonals: pos index (n-1) + (km - qm) BLOCK + (c - r)
+        if static["has_pos"]:  # the tile's diagonals: pos index (n-1) + (km - qm) BLOCK + (c - r)
             sums = jnp.sum(jnp.where(diag[:, :, None] == band[None, None, :], ds[:, :, None], 0.0), axis=(0, 1))
             start = (norm_len - 1) + (km - qm) * block - (block - 1) + 2 * block  # dpos rows shifted by 2 BLOCK
             dpos = jax.lax.dynamic_update_slice(dpos, jax.lax.dynamic_slice(dpos, (start,), (2 * block - 1,)) + sums,
                                                 (start,))
-        if has_ts:
+        if static["has_ts"]:
             dts = dts + jnp.sum(jnp.where(bucket[:, :, None] == buckets[None, None, :], ds[:, :, None], 0.0),
                                 axis=(0, 1))
         return dq, dpos, dts
@@ -159,12 +160,9 @@ def _dq_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_ref,
 
 
 def _dkdv_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref,
-                 dk_ref, dv_ref, *, block, norm_len, has_pos, has_ts, n_thr):
-    t, h = pl.program_id(0), pl.program_id(1)
-    task = [task_ref[i, t] for i in range(5)]
-    tile = functools.partial(_tile, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, block=block,
-                             norm_len=norm_len, has_pos=has_pos, has_ts=has_ts, n_thr=n_thr)
-    km = task[3]
+                 dk_ref, dv_ref, **static):
+    h, task, tile = _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static)
+    block, norm_len, km = static["block"], static["norm_len"], task[3]
 
     def body(qm, carry):
         dk, dv = carry

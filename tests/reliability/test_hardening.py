@@ -251,7 +251,7 @@ def test_report_into_a_closed_pipe_prints_no_traceback(tmp_path):
 def test_unknown_config_name_lists_the_packaged_configs(capsys):
     assert main(["train", "--config", "ml1m_hstuu", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "--config ml1m_hstuu: no such file" in err and "ml1m_hstu, ml1m_hstu_bf16" in err
+    assert "--config ml1m_hstuu: no such file" in err and "ml1m_hstu, ml1m_hstu_best, ml1m_hstu_bf16" in err
 
 
 def test_checkpoint_whose_tensors_contradict_its_config_is_a_clear_error(tmp_path, capsys):
