@@ -7,6 +7,7 @@ staticmethod``), so one ``value_and_grad`` serves the reference and the fused ke
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from gr_functional.tree import tree_items, tree_map, tree_map_with_path
 
 from . import dist_torch
+from .cpu_fused import eager_under_compile
 from .base import Backend, BackendUnavailable
 
 
@@ -116,6 +118,9 @@ class TorchBackend(Backend):
             return f
         cache = self.__dict__.setdefault("_compiled", {})  # per backend view (with_ops drops it)
         if f not in cache:
+            import torch._inductor.config as inductor_config  # set_deterministic leaves it to compile
+
+            inductor_config.deterministic = self._torch.are_deterministic_algorithms_enabled()
             cache[f] = self._torch.compile(f)
         return cache[f]
 
@@ -151,7 +156,11 @@ class TorchBackend(Backend):
         # "auto" = CPU only: on CUDA the deterministic index backward (sort + serial accumulation
         # per index) made an ML-1M step 24x slower on an H100 (profiled: indexing_backward_kernel)
         on = mode == "on" or (mode == "auto" and self.torch_device.type == "cpu")
-        self._torch.use_deterministic_algorithms(on, warn_only=True)
+        # torch.use_deterministic_algorithms is this call plus inductor's flag, whose import loads
+        # inductor and dynamo: 1.5 s of every process's start. compiled() sets that flag instead.
+        self._torch._C._set_deterministic_algorithms(on, warn_only=True)
+        if "torch._inductor.config" in sys.modules:
+            sys.modules["torch._inductor.config"].deterministic = on
         if not on:
             return
         # warn_only: an op without a deterministic kernel warns instead of failing a long run.
@@ -222,14 +231,9 @@ class TorchBackend(Backend):
 
 # ----------------------------------------------------------------------------- fused ops
 SAMPLED_LOGITS_CHUNK_ROWS = 1024
+# The chunked ops write into preallocated blocks (``out=``), which dynamo cannot trace: under
+# torch.compile they run eager (``eager_under_compile``: a graph break, at no cost).
 _FUNCTIONS: dict = {}
-
-
-def _eager(apply, torch):
-    """``apply`` of an autograd.Function below, run eager under ``torch.compile`` (they write into
-    preallocated blocks with ``out=``, which dynamo cannot trace; a graph break around them costs
-    nothing: they are as fast as their chunked loops get). No effect outside compile."""
-    return torch.compiler.disable(apply)
 
 
 def _row_chunks(n: int) -> list[slice]:
@@ -297,7 +301,7 @@ def _chunked_sampled_logits(torch):
                     d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
             return d_user, d_items.to(items.dtype), None, None
 
-    _FUNCTIONS["sampled_logits"] = _eager(ChunkedSampledLogits.apply, torch)
+    _FUNCTIONS["sampled_logits"] = eager_under_compile(ChunkedSampledLogits.apply)
     return _FUNCTIONS["sampled_logits"]
 
 
@@ -344,7 +348,7 @@ def _chunked_sampled_logits_16bit(torch):
                 d_items.index_add_(0, flat, (g.unsqueeze(-1) * u.unsqueeze(1)).reshape(flat.shape[0], -1))
             return d_user, d_items.to(items.dtype), None, None, None
 
-    _FUNCTIONS["sampled_logits_16bit"] = _eager(ChunkedSampledLogits16.apply, torch)
+    _FUNCTIONS["sampled_logits_16bit"] = eager_under_compile(ChunkedSampledLogits16.apply)
     return _FUNCTIONS["sampled_logits_16bit"]
 
 
@@ -401,5 +405,5 @@ def _chunked_shared_logsumexp(torch):
             d_pos = (g_all * torch.exp(pos.to(acc) - lse)).to(pos.dtype)
             return d_user, d_neg.to(neg_items.dtype), None, None, d_pos, d_bias.to(neg_bias.dtype), None, None
 
-    _FUNCTIONS["shared_logsumexp"] = _eager(ChunkedSharedLogsumexp.apply, torch)
+    _FUNCTIONS["shared_logsumexp"] = eager_under_compile(ChunkedSharedLogsumexp.apply)
     return _FUNCTIONS["shared_logsumexp"]

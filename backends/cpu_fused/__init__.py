@@ -31,6 +31,7 @@ import os
 import platform
 import shlex
 import shutil
+import sys
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
 # one build folder per checkout: torch's build.ninja names the source by its absolute path, so two
@@ -311,13 +312,29 @@ def _function():
 _APPLY: dict = {}  # the Functions' eager ``apply``s, made once (a dict, not lru_cache: dynamo warns on those)
 
 
+def eager_under_compile(apply):
+    """``apply`` (an autograd.Function's) run eager under ``torch.compile``: a graph break around
+    it. ``torch.compiler.disable`` imports dynamo, 1.5 s of every process's start, so it is applied
+    only once dynamo is loaded (``torch.compile`` loads it before it traces anything)."""
+    disabled = []
+
+    def call(*args):
+        if "torch._dynamo" not in sys.modules:
+            return apply(*args)
+        if not disabled:
+            import torch
+
+            disabled.append(torch.compiler.disable(apply))
+        return disabled[0](*args)
+
+    return call
+
+
 def _eager(name: str, make):
     """``make().apply`` run eager under ``torch.compile`` (dynamo cannot trace the extension's
     calls; the graph break costs nothing, the ops are already fused)."""
     if name not in _APPLY:
-        import torch
-
-        _APPLY[name] = torch.compiler.disable(make().apply)
+        _APPLY[name] = eager_under_compile(make().apply)
     return _APPLY[name]
 
 
