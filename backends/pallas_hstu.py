@@ -40,9 +40,11 @@ BLOCK_GPU = 64
 
 
 def _tasks(offsets, t_cap: int, block: int):
-    """Per task ``[NT]`` int32: (first row, its sequence's first row, one past its last row,
-    block index m inside the sequence, blocks of the sequence); and per row ``[T_cap]`` the task
-    and the row inside the task's block (padding rows -> a spare task's row 0)."""
+    """``(table[5, NT] int32, row_task[T_cap], row_in[T_cap], in_seq[T_cap] bool)``: per task, its
+    first row, its sequence's first row, one past the sequence's last row, its block index m in
+    the sequence and the sequence's block count (zeros for the spare tasks); per row, its task and
+    its row in that task's block (padding rows: a spare task's row 0, ``in_seq`` false). NT =
+    ceil(T_cap / BLOCK) + B_cap > the real tasks of any batch of these capacities."""
     b_cap = offsets.shape[0] - 1
     nt = -(-t_cap // block) + b_cap
     lengths = offsets[1:] - offsets[:-1]
