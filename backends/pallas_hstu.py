@@ -71,7 +71,7 @@ def _tasks(offsets, t_cap: int, block: int):
 
 def _tile(q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, qm, km, *, block, norm_len,
           has_pos, has_ts, n_thr):
-    """``(S[BM, BN] fp32, valid[BM, BN], pos_idx[BM, BN], bucket[BM, BN])`` of query block ``qm``
+    """``(S[BM, BN] fp32, valid[BM, BN], bucket[BM, BN] or None)`` of query block ``qm``
     and key block ``km`` of ``task``'s sequence (rows of ``task`` = (first row, s0, s1, ...))."""
     s0, s1 = task[1], task[2]
     qs, ks = s0 + qm * block, s0 + km * block
@@ -82,9 +82,8 @@ def _tile(q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, qm
     qb = q_ref[pl.ds(qs, block), h, :].astype(jnp.float32)
     kb = k_ref[pl.ds(ks, block), h, :].astype(jnp.float32)
     s = jax.lax.dot_general(qb, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    pos_idx = jnp.clip((norm_len - 1) + kpos - qpos, 0, 2 * norm_len - 2)
     if has_pos:
-        s = s + pos_ref[pos_idx].astype(jnp.float32)
+        s = s + pos_ref[jnp.clip((norm_len - 1) + kpos - qpos, 0, 2 * norm_len - 2)].astype(jnp.float32)
     bucket = None
     if has_ts:
         gap = jnp.abs(qts_ref[pl.ds(qs, block)][:, None] - kts_ref[pl.ds(ks, block)][None, :])
@@ -98,7 +97,12 @@ def _tile(q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, h, task, qm
             step //= 2
         bucket = jnp.clip(lo - 1, 0, tsw_ref.shape[0] - 1)
         s = s + tsw_ref[bucket].astype(jnp.float32)
-    return s, valid, pos_idx, bucket
+    return s, valid, bucket
+
+
+def _score_grad(s, sig, valid, dp, norm_len):
+    """dS = dP SiLU'(S) / n on the valid cells (sig = sigmoid(S)), 0 elsewhere."""
+    return jnp.where(valid, dp * sig * (1.0 + s * (1.0 - sig)) / norm_len, 0.0)
 
 
 def _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static):
@@ -114,7 +118,7 @@ def _fwd_kernel(task_ref, q_ref, k_ref, v_ref, pos_ref, tsw_ref, thr_ref, qts_re
     block, norm_len, qm = static["block"], static["norm_len"], task[3]
 
     def body(km, acc):
-        s, valid, _, _ = tile(qm, km)
+        s, valid, _ = tile(qm, km)
         p = jnp.where(valid, s * jax.nn.sigmoid(s) / norm_len, 0.0)
         vb = v_ref[pl.ds(task[1] + km * block, block), h, :].astype(jnp.float32)
         return acc + jnp.dot(p, vb, preferred_element_type=jnp.float32)
@@ -135,13 +139,12 @@ def _dq_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_ref,
 
     def body(km, carry):
         dq, dpos, dts = carry
-        s, valid, pos_idx, bucket = tile(qm, km)
+        s, valid, bucket = tile(qm, km)
         ks = task[1] + km * block
         kb = k_ref[pl.ds(ks, block), h, :].astype(jnp.float32)
         vb = v_ref[pl.ds(ks, block), h, :].astype(jnp.float32)
-        sig = jax.nn.sigmoid(s)
         dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = jnp.where(valid, dp * sig * (1.0 + s * (1.0 - sig)) / norm_len, 0.0)
+        ds = _score_grad(s, jax.nn.sigmoid(s), valid, dp, norm_len)
         dq = dq + jnp.dot(ds, kb, preferred_element_type=jnp.float32)
         if static["has_pos"]:  # the tile's diagonals: pos index (n-1) + (km - qm) BLOCK + (c - r)
             sums = jnp.sum(jnp.where(diag[:, :, None] == band[None, None, :], ds[:, :, None], 0.0), axis=(0, 1))
@@ -165,18 +168,18 @@ def _dkdv_kernel(task_ref, q_ref, k_ref, v_ref, do_ref, pos_ref, tsw_ref, thr_re
                  dk_ref, dv_ref, **static):
     h, task, tile = _program(task_ref, q_ref, k_ref, pos_ref, tsw_ref, thr_ref, qts_ref, kts_ref, static)
     block, norm_len, km = static["block"], static["norm_len"], task[3]
+    vb = v_ref[pl.ds(task[0], block), h, :].astype(jnp.float32)  # this task's key block
 
     def body(qm, carry):
         dk, dv = carry
-        s, valid, _, _ = tile(qm, km)
+        s, valid, _ = tile(qm, km)
         qs = task[1] + qm * block
         qb = q_ref[pl.ds(qs, block), h, :].astype(jnp.float32)
         dob = do_ref[pl.ds(qs, block), h, :].astype(jnp.float32)
-        vb = v_ref[pl.ds(task[0], block), h, :].astype(jnp.float32)
         sig = jax.nn.sigmoid(s)
         p = jnp.where(valid, s * sig / norm_len, 0.0)
         dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = jnp.where(valid, dp * sig * (1.0 + s * (1.0 - sig)) / norm_len, 0.0)
+        ds = _score_grad(s, sig, valid, dp, norm_len)
         tn = (((0,), (0,)), ((), ()))
         dk = dk + jax.lax.dot_general(ds, qb, tn, preferred_element_type=jnp.float32)
         dv = dv + jax.lax.dot_general(p, dob, tn, preferred_element_type=jnp.float32)
@@ -228,10 +231,6 @@ def _forward(q, k, v, pos_w, ts_w, tables, times, norm_len, block, has_pos, has_
     return out, (q, k, v, pos_w, ts_w, tables, times)
 
 
-def _fwd(q, k, v, pos_w, ts_w, tables, times, norm_len, block, has_pos, has_ts, interpret):
-    return _forward(q, k, v, pos_w, ts_w, tables, times, norm_len, block, has_pos, has_ts, interpret)
-
-
 def _bwd(norm_len, block, has_pos, has_ts, interpret, res, g):
     q, k, v, pos_w, ts_w, tables, times = res
     table, row_task, row_in, in_seq, thr = tables
@@ -257,7 +256,7 @@ def _bwd(norm_len, block, has_pos, has_ts, interpret, res, g):
             d_ts if has_ts else jnp.zeros_like(ts_w), None, None)
 
 
-_attention.defvjp(_fwd, _bwd)
+_attention.defvjp(_forward, _bwd)
 
 
 def _thresholds(B, num_buckets: int):

@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from gr_functional.cli import _config_path
+from gr_functional.configure import load_config
+
 from . import attention, mfu, pipeline
 from .common import emit
 
@@ -39,10 +42,6 @@ SIZES = {
 
 
 def run(json_lines: bool = False, cfg=None, backends=None, tiny: bool = False) -> list[dict]:
-    from gr_functional.cli import _config_path
-    from gr_functional.config import replace
-    from gr_functional.configure import load_config
-
     size = SIZES["tiny" if tiny else "full"]
     cfg = cfg or load_config(None)
     start = time.perf_counter()
@@ -51,8 +50,7 @@ def run(json_lines: bool = False, cfg=None, backends=None, tiny: bool = False) -
     rows += mfu.run(json_lines, cfg, backends, configs=size["step_configs"], repeats=size["repeats"],
                     peak_n=size["peak_n"])
     # the loop runs the packaged config's model and data on this command's backend settings
-    loop_cfg = load_config(_config_path(size["pipeline_config"]))
-    loop_cfg = replace(loop_cfg, backend=dataclasses.asdict(cfg.backend), ops=dataclasses.asdict(cfg.ops))
+    loop_cfg = dataclasses.replace(load_config(_config_path(size["pipeline_config"])), backend=cfg.backend, ops=cfg.ops)
     rows += pipeline.run(json_lines, loop_cfg, backends, steps=size["pipeline_steps"],
                          warmup=size["pipeline_warmup"])
     total = {"bench": "device", "section": "total", "size": "tiny" if tiny else "full", "rows": len(rows),

@@ -37,30 +37,3 @@ def backend(request):
 def rng():
     return np.random.default_rng(1234)
 
-
-# The suite runs as `pytest -n 2 --dist loadfile`: a worker takes the next file when it finishes
-# one, in collection order (pytest_configure turns off xdist's reordering by test count). These
-# files hold the longest tests (by --durations on 2 cores, longest first); starting them first
-# keeps one worker from running a 90 s file alone at the end while the other idles.
-HEAVY_FIRST = (
-    "distributed/test_equality.py", "reliability/test_optimizers_train.py", "distributed/test_jax_mesh.py",
-    "distributed/test_jax_processes.py", "reliability/test_hardening3.py", "test_ranking_train.py",
-    "test_benchmarks.py", "differential/test_flax.py", "differential/test_crosscheck.py", "test_ranking_step.py",
-    "distributed/test_ranking_equality.py", "distributed/test_failure_under_load.py", "distributed/test_failure.py",
-    "test_model_plugin.py", "differential/test_model.py", "differential/test_ops.py",
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-
-    def order(item):
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return rank.get(path, len(rank))
-
-    items.sort(key=order)  # stable: the other files, and the tests inside each file, keep their order
