@@ -30,7 +30,7 @@ A new kernel is one ``register_kernel`` call, from any module (an experiment scr
         ...
 
 ``ops.attention = "my_kernel"`` selects it; ``"default"`` means the backend's own choice
-(``Backend.default_ops["attention"]``: "best" on torch, "jagged" on jax, "auto" on npu). Kernels
+(``Backend.default_ops["attention"]``: "best" on torch and jax, "auto" on npu). Kernels
 that must set something up once per backend (load a vendor op, compile) register a
 ``factory(B) -> fn`` instead, which raises ``npu_ops.UnsupportedOnBackend`` / ``BackendUnavailable``
 with the reason when the kernel cannot run here. tests/differential runs every registered kernel on
@@ -186,36 +186,38 @@ def reference(B, q, k, v, layout, norm_len, bias):
 
 
 def _cpu_fused_factory(B):
-    """The fused C++ tile attention (backends/cpu_fused), built on first use."""
+    """The fused C++ tile attention (backends/cpu_fused: a torch extension on torch, an XLA FFI
+    custom call on jax), built on first use."""
     return cpu_fused.factory(B)
 
 
 # float32 and float64 (the tests' oracle precision); 16-bit precisions run the tiles in 16 bits,
 # which the kernel does not: refused
-register_kernel("cpu_fused", factory=_cpu_fused_factory, backends=("torch",), precisions=("fp32",),
+register_kernel("cpu_fused", factory=_cpu_fused_factory, backends=("torch", "jax"), precisions=("fp32",),
                 devices=("cpu",), tile_plan="required",
                 doc="fused C++ tiles on CPU: BLAS products, bias/SiLU/mask in cache, backward recomputes")
 
 
 def _best_factory(B):
-    """cpu_fused where it runs (CPU, fp32/fp64 compute, a tile plan, the extension built), else
-    jagged; a build that fails is reported once, as a warning with
-    the reason (``cpu_fused.available``, shared with the fused sampled logits)."""
-    on = B.device_kind == "cpu" and cpu_fused.available()
+    """cpu_fused where it runs (CPU, fp32/fp64 compute, a tile plan, the ops built), else
+    jagged; a build that fails is reported once, as a warning with the reason
+    (``cpu_fused.available``, shared with the fused sampled logits)."""
+    on = B.device_kind == "cpu" and cpu_fused.available(B=B)
+    front = cpu_fused.ops_for(B)
 
     def runs_fused(B, q, layout) -> bool:
         return on and layout.tiles is not None and B._dtype_name_of(q) in ("float32", "float64")
 
     def best(B, q, k, v, layout, norm_len, bias):
         if runs_fused(B, q, layout):
-            return cpu_fused.attention(B, q, k, v, layout, norm_len, bias)
+            return front.attention(B, q, k, v, layout, norm_len, bias)
         return jagged(B, q, k, v, layout, norm_len, bias)
 
     best.recomputes = runs_fused
     return best
 
 
-register_kernel("best", factory=_best_factory, backends=("torch",), tile_plan="used",
+register_kernel("best", factory=_best_factory, backends=("torch", "jax"), tile_plan="used",
                 doc="the fastest measured: cpu_fused on CPU (fp32/fp64, where it builds), else jagged")
 
 

@@ -4,11 +4,13 @@
 - ``reference``: the backend's own formulation of ``Backend.sampled_logits_reference`` /
   ``shared_logsumexp_reference`` (plain ``B.xp`` code; on torch, row-chunked autograd Functions that
   never hold the whole ``[T, N]`` scores or ``[T, R, D]`` rows); every backend.
-- ``cpu_fused``: the fused C++ ops of backends/cpu_fused (torch on CPU, fp32/fp64 arrays; the
-  16-bit negatives in fp32): one dot per (position, id) read straight from the item rows, each
-  logits block masked and reduced while in cache. A call it cannot serve (a dtype) raises
-  ``UnsupportedOnBackend`` naming it.
-- ``best`` (the torch default): ``cpu_fused`` for the calls it serves where the extension builds
+- ``cpu_fused``: the fused C++ ops of backends/cpu_fused (on CPU, fp32/fp64 arrays; the 16-bit
+  negatives in fp32): one dot per (position, id) read straight from the item rows, each logits
+  block masked and reduced while in cache. torch runs them as an extension; jax runs the sampled
+  logits as an XLA FFI custom call (``backends.cpu_fused.xla``; its 16-bit negatives and the shared
+  pool are not served there). A call it cannot serve (a dtype) raises ``UnsupportedOnBackend``
+  naming it.
+- ``best`` (the torch and jax default): ``cpu_fused`` for the calls it serves where the ops build
   (a failed build is reported once, as a warning), else ``reference``.
 """
 from __future__ import annotations
@@ -33,28 +35,30 @@ def shared_reference(B, user, neg_items, neg_ids, targets, pos, neg_bias, scale,
 
 
 def _fused_takes(B, *arrays) -> bool:
-    """Whether the fused C++ ops serve a call on ``arrays``: fp32 or fp64 CPU tensors of one dtype."""
-    dtype = arrays[0].dtype
+    """Whether the fused C++ ops serve a call on ``arrays``: fp32 or fp64 CPU arrays of one dtype."""
+    dtype, front = arrays[0].dtype, cpu_fused.ops_for(B)
     return B._dtype_name_of(arrays[0]) in ("float32", "float64") and all(
-        a.dtype == dtype and a.device.type == "cpu" for a in arrays)
+        a.dtype == dtype and front.on_cpu(a) for a in arrays)
 
 
 def _fused_sampled(B, user, items, ids, scale=None, precision=None):
+    front = cpu_fused.ops_for(B)
     if scale is None:
-        return cpu_fused.sampled_logits(user, items, ids)
-    return cpu_fused.sampled_logits_16bit(user, items, ids, scale, precision)
+        return front.sampled_logits(user, items, ids)
+    return front.sampled_logits_16bit(user, items, ids, scale, precision)
 
 
 def _sampled_served(B, user, items, scale) -> bool:
     if scale is None:
         return _fused_takes(B, user, items)
-    return B._dtype_name_of(user) == "float32" and _fused_takes(B, user, items, scale)
+    return (hasattr(cpu_fused.ops_for(B), "sampled_logits_16bit") and B._dtype_name_of(user) == "float32"
+            and _fused_takes(B, user, items, scale))
 
 
 def _on_cpu(B) -> None:
     if B.device_kind != "cpu":
         raise UnsupportedOnBackend(f"the cpu_fused ops run on the CPU, not on {B.device_kind!r}")
-    cpu_fused.load()
+    cpu_fused.ops_for(B).load()
 
 
 def _strict_sampled(B):
@@ -62,8 +66,10 @@ def _strict_sampled(B):
 
     def fused(B, user, items, ids, scale=None, precision=None):
         if not _sampled_served(B, user, items, scale):
-            raise UnsupportedOnBackend(f"ops.sampled_logits='cpu_fused' takes fp32/fp64 CPU tensors (fp32 with 16-bit "
-                                       f"negatives), got {user.dtype} on {user.device}; use 'best' or 'reference'")
+            raise UnsupportedOnBackend(f"ops.sampled_logits='cpu_fused' takes fp32/fp64 CPU arrays (fp32 with 16-bit "
+                                       f"negatives, torch only), got {user.dtype} on {user.device}"
+                                       f"{' with 16-bit negatives' if scale is not None else ''}; use 'best' or "
+                                       f"'reference'")
         return _fused_sampled(B, user, items, ids, scale, precision)
 
     return fused
@@ -82,7 +88,7 @@ def _strict_shared(B):
 
 
 def _best_sampled(B):
-    on = B.device_kind == "cpu" and cpu_fused.available()
+    on = B.device_kind == "cpu" and cpu_fused.available(B=B)
 
     def best(B, user, items, ids, scale=None, precision=None):
         if on and _sampled_served(B, user, items, scale):
@@ -105,12 +111,12 @@ def _best_shared(B):
 
 # fp32 compute only: under a bf16/fp16 precision view the activations are 16-bit, which the fused
 # ops do not take ("best" then runs the reference)
-_FUSED = dict(backends=("torch",), devices=("cpu",), precisions=("fp32",))
-ops.register("sampled_logits", "cpu_fused", factory=_strict_sampled, **_FUSED,
-             doc="fused C++: one dot per (position, id) from the item rows (torch CPU)")
-ops.register("shared_logsumexp", "cpu_fused", factory=_strict_shared, **_FUSED,
+_FUSED = dict(devices=("cpu",), precisions=("fp32",))
+ops.register("sampled_logits", "cpu_fused", factory=_strict_sampled, backends=("torch", "jax"), **_FUSED,
+             doc="fused C++: one dot per (position, id) from the item rows (CPU; torch, jax by XLA FFI)")
+ops.register("shared_logsumexp", "cpu_fused", factory=_strict_shared, backends=("torch",), **_FUSED,
              doc="fused C++: each block's logits, mask and logsumexp in one pass in cache (torch CPU)")
-ops.register("sampled_logits", "best", factory=_best_sampled, backends=("torch",),
+ops.register("sampled_logits", "best", factory=_best_sampled, backends=("torch", "jax"),
              doc="cpu_fused for the calls it serves where it builds, else reference")
 ops.register("shared_logsumexp", "best", factory=_best_shared, backends=("torch",),
              doc="cpu_fused for the calls it serves where it builds, else reference")

@@ -39,7 +39,15 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attenti
 # it over each other at every switch, each waiting for the other's turn (measured: a 4-rank test
 # past its 180 s limit)
 _NAME = "grf_hstu_cpu_fused_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
+_HEADER = os.path.join(os.path.dirname(_SOURCE), "kernels.h")  # the ops' core, shared with the XLA front
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-trapping-math", "-fopenmp"]
+
+
+def _header_flag() -> list[str]:
+    """A define carrying kernels.h's hash: torch's build cache keys on the sources and flags, not
+    on included headers, so a changed header must change the flags to be rebuilt."""
+    with open(_HEADER, "rb") as f:
+        return [f"-DGRF_KERNELS_H={hashlib.sha1(f.read()).hexdigest()[:12]}"]
 
 
 def unavailable_reason() -> str | None:
@@ -51,9 +59,9 @@ def unavailable_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"it needs AVX2, torch reports CPU capability {capability}"
-    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # CXX may carry a launcher or flags
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
+    reason = compiler_reason()
+    if reason:
+        return reason
     if shutil.which("ninja") is None:
         try:
             import ninja
@@ -62,6 +70,14 @@ def unavailable_reason() -> str | None:
         # the PyPI wheel's binary is on PATH only in an activated environment: cpp_extension runs
         # `ninja` by name, so put its directory there
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    return None
+
+
+def compiler_reason() -> str | None:
+    """Why no C++ compiler can build the ops, or None."""
+    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # CXX may carry a launcher or flags
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
     return None
 
 
@@ -243,7 +259,7 @@ def load():
 
             try:
                 with _BuildTurn(cpp_extension):  # never waits on a lock whose owner died
-                    module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS,
+                    module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS + _header_flag(),
                                                 extra_ldflags=["-fopenmp"], verbose=False)
             except UnsupportedOnBackend as exc:
                 reason = str(exc).removeprefix("cpu_fused ops: ")
@@ -258,22 +274,38 @@ def load():
     raise UnsupportedOnBackend(_BUILT["error"])
 
 
-def available(warn: bool = True) -> bool:
-    """Whether ``load()`` succeeds; the first failure is reported once as a warning with the reason
-    (callers then run their torch formulation)."""
+def available(warn: bool = True, B=None) -> bool:
+    """Whether the ops load for backend ``B`` (``ops_for``; the torch extension when None); the
+    first failure is reported once as a warning with the reason (callers then run their own
+    formulation)."""
     from npu_ops import UnsupportedOnBackend
 
+    front = ops_for(B)
     try:
-        load()
+        front.load()
         return True
     except UnsupportedOnBackend as exc:
-        if warn and not _BUILT.get("warned"):
+        if warn and not _BUILT.get(("warned", front.__name__)):
             import warnings
 
-            _BUILT["warned"] = True
-            warnings.warn(f"{exc}; the torch formulations run instead (the [ops] choices of backends.cpu_fused.OFF silence this)",
-                          stacklevel=3)
+            _BUILT[("warned", front.__name__)] = True
+            warnings.warn(f"{exc}; the backend's own formulations run instead (the [ops] choices of "
+                          f"backends.cpu_fused.OFF silence this)", stacklevel=3)
         return False
+
+
+def ops_for(B):
+    """The ops' front for backend ``B``: this module (the torch extension) on torch and when
+    ``B`` is None, ``backends.cpu_fused.xla`` (XLA FFI custom calls) on jax. Both have ``load``,
+    ``attention`` and ``sampled_logits``; the torch front also ``sampled_logits_16bit`` and
+    ``shared_logsumexp``."""
+    return xla if B is not None and B.name == "jax" else sys.modules[__name__]
+
+
+def on_cpu(x) -> bool:
+    """Whether torch tensor ``x`` is on the CPU (the XLA front's ``on_cpu`` says yes to any array:
+    a jax backend's arrays live on its device, checked at start-up)."""
+    return x.device.type == "cpu"
 
 
 def _empty(like):
@@ -464,10 +496,15 @@ attention.recomputes = lambda B, q, layout: True
 
 
 def factory(B):
-    """The kernel for backend ``B`` (built now, so a missing compiler is reported at start-up)."""
+    """The kernel for backend ``B`` (``ops_for``; built now, so a missing compiler is reported at
+    start-up)."""
     from npu_ops import UnsupportedOnBackend
 
     if B.device_kind != "cpu":
         raise UnsupportedOnBackend(f"cpu_fused attention runs on the CPU, not on {B.device_kind!r}")
-    load()
-    return attention
+    front = ops_for(B)
+    front.load()
+    return front.attention
+
+
+from . import xla  # noqa: E402 - the XLA front reads this module's flags and checks

@@ -1,0 +1,343 @@
+// The fused CPU ops as XLA FFI handlers, for JAX on the CPU (backends/cpu_fused/xla.py): the same
+// kernels.h as the torch extension, so a JAX step and a torch step compute the same bits. Buffers
+// arrive contiguous (XLA's default layout), index arrays as int32 (JAX without x64). The work is
+// split over XLA's intra-op thread pool (the handler's ThreadPool), the calling thread taking parts
+// too, so nothing waits on a pool thread that never comes; each part runs BLAS single-threaded.
+// Errors (a malformed plan, ids out of range) come back as FFI errors, raised in Python by JAX.
+#include "xla/ffi/api/ffi.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ffi = xla::ffi;
+
+template <typename... Parts>
+[[noreturn]] void grf_fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw std::runtime_error(message.str());
+}
+#define GRF_CHECK(cond, ...)         \
+  do {                               \
+    if (!(cond)) grf_fail(__VA_ARGS__); \
+  } while (0)
+
+namespace grf_xla {
+// The pool of the handler running on this thread (set for the handler's duration).
+thread_local ffi::ThreadPool* pool = nullptr;
+int64_t threads();
+void run_parts(int64_t parts, const std::function<void(int64_t)>& part);
+}  // namespace grf_xla
+
+inline int64_t grf_num_threads() { return grf_xla::threads(); }
+
+template <typename F>
+void grf_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const int64_t n = end - begin, g = std::max<int64_t>(1, grain);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(grf_num_threads(), (n + g - 1) / g));
+  const int64_t step = (n + parts - 1) / parts;
+  grf_xla::run_parts(parts, [&](int64_t i) {
+    const int64_t lo = begin + i * step, hi = std::min(end, lo + step);
+    if (lo < hi) f(lo, hi);
+  });
+}
+
+#include "kernels.h"
+
+namespace grf_xla {
+
+int64_t threads() { return pool == nullptr ? 1 : std::max<int64_t>(1, pool->num_threads()); }
+
+// Parts [0, parts) run by the caller and by up to parts - 1 pool tasks, each claiming the next
+// unclaimed part; the caller returns once every part has finished. A pool task that starts after
+// all parts were claimed touches only the shared state (kept alive by its own reference).
+struct Parts {
+  std::atomic<int64_t> next{0};
+  int64_t total = 0, finished = 0;
+  const std::function<void(int64_t)>* part = nullptr;
+  std::string error;
+  std::mutex mutex;
+  std::condition_variable all_done;
+
+  void work() {
+    for (int64_t i = next++; i < total; i = next++) {
+      std::string failed;
+      try {
+        const grf::OneBlasThread one_blas_thread;
+        (*part)(i);
+      } catch (const std::exception& exc) {
+        failed = exc.what();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!failed.empty() && error.empty()) error = failed;
+      if (++finished == total) all_done.notify_all();
+    }
+  }
+};
+
+void run_parts(int64_t parts, const std::function<void(int64_t)>& part) {
+  if (parts <= 1 || pool == nullptr) {
+    const grf::OneBlasThread one_blas_thread;
+    for (int64_t i = 0; i < parts; ++i) part(i);
+    return;
+  }
+  auto state = std::make_shared<Parts>();
+  state->total = parts;
+  state->part = &part;
+  for (int64_t w = 1; w < parts; ++w) pool->Schedule([state] { state->work(); });
+  state->work();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->all_done.wait(lock, [&] { return state->finished == state->total; });
+  if (!state->error.empty()) throw std::runtime_error(state->error);
+}
+
+struct UsePool {
+  explicit UsePool(ffi::ThreadPool* p) { pool = p; }
+  ~UsePool() { pool = nullptr; }
+};
+
+bool is_float(const ffi::AnyBuffer& x, ffi::DataType* dtype) {
+  *dtype = x.element_type();
+  return *dtype == ffi::DataType::F32 || *dtype == ffi::DataType::F64;
+}
+
+template <typename T>
+grf::Inputs<T> inputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                      const ffi::AnyBuffer& pos_w, const ffi::AnyBuffer& ts_w, const ffi::Buffer<ffi::S32>& bucket,
+                      int64_t norm_len) {
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  grf::Inputs<T> in;
+  in.q = q.typed_data<T>();
+  in.k = k.typed_data<T>();
+  in.v = v.typed_data<T>();
+  in.H = qd[1];
+  in.dqk = qd[2];
+  in.dv = vd[2];
+  in.sq = in.H * in.dqk;
+  in.sk = in.H * in.dqk;
+  in.sv = in.H * in.dv;
+  if (pos_w.element_count() > 0) {
+    in.pos_w = pos_w.typed_data<T>();
+    in.pos_size = pos_w.element_count();
+  }
+  if (ts_w.element_count() > 0) {
+    in.ts_w = ts_w.typed_data<T>();
+    in.ts_size = ts_w.element_count();
+    in.bucket = bucket.typed_data();
+  }
+  in.norm_len = norm_len;
+  return in;
+}
+
+grf::Plan plan_of(const ffi::Buffer<ffi::S32>& chunk_rows, const ffi::Buffer<ffi::S32>& pair_q,
+                  const ffi::Buffer<ffi::S32>& pair_k, const ffi::Buffer<ffi::S32>& pos, int64_t t_cap) {
+  const auto rd = chunk_rows.dimensions();
+  GRF_CHECK(rd.size() == 2 && pair_q.element_count() == pair_k.element_count() &&
+                static_cast<int64_t>(pos.element_count()) == t_cap,
+            "cpu_fused attention: chunk_rows[nc, C], pair_q[P], pair_k[P], pos[T]");
+  return grf::read_plan<int32_t>(chunk_rows.typed_data(), rd[0], rd[1], pair_q.typed_data(), pair_k.typed_data(),
+                                 pair_q.element_count(), pos.typed_data(), t_cap);
+}
+
+void check_qkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  GRF_CHECK(qd.size() == 3 && kd.size() == 3 && vd.size() == 3 && kd[0] == qd[0] && kd[1] == qd[1] &&
+                kd[2] == qd[2] && vd[0] == qd[0] && vd[1] == qd[1],
+            "cpu_fused attention: q[T, H, dqk], k[T, H, dqk], v[T, H, dv]");
+  GRF_CHECK(k.element_type() == q.element_type() && v.element_type() == q.element_type(),
+            "cpu_fused attention: q, k and v differ in dtype");
+}
+
+// The handlers' bodies run under one catch: a kernel's check becomes the call's error.
+template <typename Body>
+ffi::Error guarded(ffi::ThreadPool* thread_pool, Body body) {
+  if (!grf::load_blas()) return ffi::Error::Internal("cpu_fused ops: torch's BLAS is not bound (grf_bind_blas)");
+  try {
+    const UsePool use(thread_pool);
+    body();
+  } catch (const std::exception& exc) {
+    return ffi::Error::InvalidArgument(exc.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error hstu_forward(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Buffer<ffi::S32> chunk_rows, ffi::Buffer<ffi::S32> pair_q, ffi::Buffer<ffi::S32> pair_k,
+                        ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer pos_w, ffi::AnyBuffer ts_w,
+                        ffi::Buffer<ffi::S32> bucket, int64_t norm_len, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded(&thread_pool, [&] {
+    check_qkv(q, k, v);
+    ffi::DataType dtype;
+    GRF_CHECK(is_float(q, &dtype), "cpu_fused attention: float32 or float64 only");
+    const int64_t t_cap = q.dimensions()[0];
+    const grf::Plan plan = plan_of(chunk_rows, pair_q, pair_k, pos, t_cap);
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    if (dtype == ffi::DataType::F32) {
+      grf::forward_impl<float>(plan, inputs<float>(q, k, v, pos_w, ts_w, bucket, norm_len), out->typed_data<float>());
+    } else {
+      grf::forward_impl<double>(plan, inputs<double>(q, k, v, pos_w, ts_w, bucket, norm_len),
+                                out->typed_data<double>());
+    }
+  });
+}
+
+template <typename T>
+void hstu_backward_typed(const grf::Plan& plan, const grf::Inputs<T>& in, const ffi::AnyBuffer& dout,
+                         ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
+                         ffi::Result<ffi::AnyBuffer>& dv, ffi::Result<ffi::AnyBuffer>& dpos,
+                         ffi::Result<ffi::AnyBuffer>& dts) {
+  std::unique_ptr<T[]> dz(new T[plan.pq.size() * in.H * plan.C * plan.C]);
+  for (auto* r : {&dq, &dk, &dv}) std::memset((*r)->untyped_data(), 0, (*r)->size_bytes());
+  grf::backward_impl<T>(plan, in, dout.typed_data<T>(), in.H * in.dv, dq->typed_data<T>(), dk->typed_data<T>(),
+                        dv->typed_data<T>(), dz.get(), dpos->typed_data<T>(), dts->typed_data<T>());
+}
+
+ffi::Error hstu_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> chunk_rows, ffi::Buffer<ffi::S32> pair_q,
+                         ffi::Buffer<ffi::S32> pair_k, ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer pos_w,
+                         ffi::AnyBuffer ts_w, ffi::Buffer<ffi::S32> bucket, int64_t norm_len,
+                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                         ffi::Result<ffi::AnyBuffer> dpos, ffi::Result<ffi::AnyBuffer> dts) {
+  return guarded(&thread_pool, [&] {
+    check_qkv(q, k, v);
+    ffi::DataType dtype;
+    GRF_CHECK(is_float(q, &dtype) && dout.element_type() == dtype, "cpu_fused attention: float32 or float64 only");
+    const int64_t t_cap = q.dimensions()[0];
+    const grf::Plan plan = plan_of(chunk_rows, pair_q, pair_k, pos, t_cap);
+    if (dtype == ffi::DataType::F32) {
+      hstu_backward_typed<float>(plan, inputs<float>(q, k, v, pos_w, ts_w, bucket, norm_len), dout, dq, dk, dv,
+                                 dpos, dts);
+    } else {
+      hstu_backward_typed<double>(plan, inputs<double>(q, k, v, pos_w, ts_w, bucket, norm_len), dout, dq, dk, dv,
+                                  dpos, dts);
+    }
+  });
+}
+
+void check_sampled(const ffi::AnyBuffer& user, const ffi::AnyBuffer& items, const ffi::Buffer<ffi::S32>& ids,
+                   ffi::DataType* dtype) {
+  const auto ud = user.dimensions(), id = items.dimensions(), sd = ids.dimensions();
+  GRF_CHECK(ud.size() == 2 && id.size() == 2 && sd.size() == 2 && ud[1] == id[1] && sd[0] == ud[0],
+            "cpu_fused sampled logits: user[T, D], items[N, D], ids[T, R]");
+  GRF_CHECK(is_float(user, dtype) && items.element_type() == *dtype,
+            "cpu_fused sampled logits: user and items float32 or float64, one dtype");
+  const int32_t* p = ids.typed_data();
+  const int64_t n = ids.element_count(), n_items = id[0];
+  for (int64_t e = 0; e < n; ++e)
+    GRF_CHECK(p[e] >= 0 && p[e] < n_items, "cpu_fused sampled logits: ids must be in [0, ", n_items, "), got ",
+              p[e]);
+}
+
+ffi::Error sampled_forward(ffi::ThreadPool thread_pool, ffi::AnyBuffer user, ffi::AnyBuffer items,
+                           ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded(&thread_pool, [&] {
+    ffi::DataType dtype;
+    check_sampled(user, items, ids, &dtype);
+    const auto sd = ids.dimensions();
+    const int64_t D = user.dimensions()[1];
+    if (dtype == ffi::DataType::F32) {
+      grf::sampled_forward_impl<float, int32_t>(user.typed_data<float>(), items.typed_data<float>(),
+                                                ids.typed_data(), out->typed_data<float>(), sd[0], sd[1], D);
+    } else {
+      grf::sampled_forward_impl<double, int32_t>(user.typed_data<double>(), items.typed_data<double>(),
+                                                 ids.typed_data(), out->typed_data<double>(), sd[0], sd[1], D);
+    }
+  });
+}
+
+ffi::Error sampled_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer grad, ffi::AnyBuffer user,
+                            ffi::AnyBuffer items, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> d_user,
+                            ffi::Result<ffi::AnyBuffer> d_items) {
+  return guarded(&thread_pool, [&] {
+    ffi::DataType dtype;
+    check_sampled(user, items, ids, &dtype);
+    GRF_CHECK(grad.element_type() == dtype, "cpu_fused sampled logits: grad and user differ in dtype");
+    const auto sd = ids.dimensions();
+    const int64_t D = user.dimensions()[1], N = items.dimensions()[0];
+    if (dtype == ffi::DataType::F32) {
+      grf::sampled_backward_impl<float, int32_t>(grad.typed_data<float>(), user.typed_data<float>(),
+                                                 items.typed_data<float>(), ids.typed_data(),
+                                                 d_user->typed_data<float>(), d_items->typed_data<float>(), sd[0],
+                                                 sd[1], D, N);
+    } else {
+      grf::sampled_backward_impl<double, int32_t>(grad.typed_data<double>(), user.typed_data<double>(),
+                                                  items.typed_data<double>(), ids.typed_data(),
+                                                  d_user->typed_data<double>(), d_items->typed_data<double>(), sd[0],
+                                                  sd[1], D, N);
+    }
+  });
+}
+
+}  // namespace grf_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuForward, grf_xla::hstu_forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // chunk_rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::AnyBuffer>()          // pos_w
+                                  .Arg<ffi::AnyBuffer>()          // ts_w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // bucket
+                                  .Attr<int64_t>("norm_len")
+                                  .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuBackward, grf_xla::hstu_backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // dout
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // chunk_rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::AnyBuffer>()          // pos_w
+                                  .Arg<ffi::AnyBuffer>()          // ts_w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // bucket
+                                  .Attr<int64_t>("norm_len")
+                                  .Ret<ffi::AnyBuffer>()          // dq
+                                  .Ret<ffi::AnyBuffer>()          // dk
+                                  .Ret<ffi::AnyBuffer>()          // dv
+                                  .Ret<ffi::AnyBuffer>()          // dpos
+                                  .Ret<ffi::AnyBuffer>());        // dts
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledForward, grf_xla::sampled_forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // user
+                                  .Arg<ffi::AnyBuffer>()          // items
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
+                                  .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledBackward, grf_xla::sampled_backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // grad
+                                  .Arg<ffi::AnyBuffer>()          // user
+                                  .Arg<ffi::AnyBuffer>()          // items
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
+                                  .Ret<ffi::AnyBuffer>()          // d_user
+                                  .Ret<ffi::AnyBuffer>());        // d_items
+
+// Binds torch's sgemm_/dgemm_ (libtorch_cpu, opened here if the process has not imported torch):
+// "" or why not. The returned text lives until the next call.
+extern "C" const char* GrfBindBlas(const char* torch_library) {
+  static std::string reason;
+  reason = grf::bind_blas(torch_library, /*load=*/true);
+  return reason.c_str();
+}
