@@ -14,6 +14,7 @@ from gr_functional.tree import is_static
 
 from . import dist_jax
 from .base import Backend
+from .reference_ops import TIME_BUCKET_DIVISOR, time_bucket_thresholds
 
 _REGISTERED: set[type] = set()
 
@@ -44,15 +45,20 @@ def _register_dataclasses(tree: Any) -> None:
 
 class JaxBackend(Backend):
     name = "jax"
+    # "best": the fused C++ ops (backends/cpu_fused, XLA FFI custom calls) on CPU where they build,
+    # else XLA's own formulations, which the differential suite checks both against
+    default_ops = {**Backend.default_ops, "attention": "best", "sampled_logits": "best"}
     static_shapes = True    # jit compiles one program per input shape
     multi_process = True    # jax.distributed processes joining one mesh (``join``)
 
     def __init__(self, device: str | None = None, dtype: str = "float32", ops: dict[str, str] | None = None):
         """ops: ``{op: implementation}`` of the op registry (backends/ops.py; omitted ops take
-        ``default_ops``). Attention on jax: "default" (= "jagged": block-sparse tiles of
-        ``layout.tiles`` where they pay off, ``Backend.tiles_pay_off``; else padded), "tiled" (the
-        tiles whenever there is a plan), "reference" (padded dense, the oracle), or a registered
-        kernel of your own; every other op: "reference"."""
+        ``default_ops``). Attention on jax: "default" (= "best": "cpu_fused", the fused C++ tiles
+        as an XLA FFI custom call, on CPU in fp32/fp64 where it builds; else "jagged"), "jagged"
+        (block-sparse tiles of ``layout.tiles`` where they pay off, ``Backend.tiles_pay_off``; else
+        padded), "tiled" (the tiles whenever there is a plan), "reference" (padded dense, the
+        oracle), "pallas", or a registered kernel of your own; sampled logits: "best" (the fused
+        C++ op likewise); every other op: "reference"."""
         super().__init__(device, dtype)
         import jax
         import jax.numpy as jnp
@@ -190,6 +196,26 @@ class JaxBackend(Backend):
 
     def logsumexp(self, x, axis: int = -1):
         return self._jax.nn.logsumexp(x, axis=axis)
+
+    def time_buckets(self, gap, num_buckets: int):
+        """``Backend.time_buckets``, the same integers: a float32 estimate ``floor(log(gap) / 0.301)``
+        corrected twice each way by comparison with the exact thresholds (float32's ``log`` is off
+        by far less than one bucket). XLA's searchsorted is a loop of gathers over the whole
+        ``[P, C, C]`` gap array (measured: half the ML-1M forward); this is a few fused passes."""
+        jnp = self.xp
+        thr = self.time_bucket_thresholds(num_buckets)
+        # thresholds repeat (2 starts buckets 1 and 2; int32's maximum ends the table): each
+        # bucket found is moved to the last of its run, as searchsorted(side="right") counts them
+        table = np.asarray(time_bucket_thresholds(num_buckets))
+        last_of_run = self.asarray(np.searchsorted(table, table, side="right").astype(np.int32) - 1)
+        g = gap.astype(jnp.int32)
+        estimate = jnp.floor(jnp.log(jnp.maximum(g, 1).astype(jnp.float32)) / np.float32(TIME_BUCKET_DIVISOR))
+        bucket = jnp.clip(estimate, 0, num_buckets).astype(jnp.int32)
+        for _ in range(2):
+            up = jnp.logical_and(bucket < num_buckets, g >= thr[jnp.minimum(bucket + 1, num_buckets)])
+            down = jnp.logical_and(bucket > 0, g < thr[bucket])
+            bucket = bucket + up.astype(jnp.int32) - down.astype(jnp.int32)
+        return last_of_run[bucket]
 
     def add_head_bias(self, scores, bias):
         """``scores[H, ...] + bias[...]`` whose ``bias`` gradient adds the H head slices one by one:

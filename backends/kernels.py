@@ -246,7 +246,7 @@ def _pallas_factory(B):
 
 
 # float32 in, fp32 accumulation; on a CPU it is interpreted (verification speed, not training
-# speed), which is why "jagged" stays JAX's default.
+# speed): JAX's CPU default is "best" (the C++ tiles as a custom call).
 register_kernel("pallas", factory=_pallas_factory, backends=("jax",), dtypes=("float32",), precisions=("fp32",),
                 devices=("cpu", "gpu"),
                 doc="Pallas jagged attention: no padding, bias in-kernel, no atomics (interpreted on CPU)")

@@ -7,8 +7,8 @@
 - ``cpu_fused``: the fused C++ ops of backends/cpu_fused (on CPU, fp32/fp64 arrays; the 16-bit
   negatives in fp32): one dot per (position, id) read straight from the item rows, each logits
   block masked and reduced while in cache. torch runs them as an extension; jax runs the sampled
-  logits as an XLA FFI custom call (``backends.cpu_fused.xla``; its 16-bit negatives and the shared
-  pool are not served there). A call it cannot serve (a dtype) raises ``UnsupportedOnBackend``
+  logits (16-bit negatives too) as XLA FFI custom calls (``backends.cpu_fused.xla``; the shared
+  pool is torch's only). A call it cannot serve (a dtype) raises ``UnsupportedOnBackend``
   naming it.
 - ``best`` (the torch and jax default): ``cpu_fused`` for the calls it serves where the ops build
   (a failed build is reported once, as a warning), else ``reference``.
@@ -51,8 +51,7 @@ def _fused_sampled(B, user, items, ids, scale=None, precision=None):
 def _sampled_served(B, user, items, scale) -> bool:
     if scale is None:
         return _fused_takes(B, user, items)
-    return (hasattr(cpu_fused.ops_for(B), "sampled_logits_16bit") and B._dtype_name_of(user) == "float32"
-            and _fused_takes(B, user, items, scale))
+    return B._dtype_name_of(user) == "float32" and _fused_takes(B, user, items, scale)
 
 
 def _on_cpu(B) -> None:
@@ -67,9 +66,7 @@ def _strict_sampled(B):
     def fused(B, user, items, ids, scale=None, precision=None):
         if not _sampled_served(B, user, items, scale):
             raise UnsupportedOnBackend(f"ops.sampled_logits='cpu_fused' takes fp32/fp64 CPU arrays (fp32 with 16-bit "
-                                       f"negatives, torch only), got {user.dtype} on {user.device}"
-                                       f"{' with 16-bit negatives' if scale is not None else ''}; use 'best' or "
-                                       f"'reference'")
+                                       f"negatives), got {user.dtype} on {user.device}; use 'best' or 'reference'")
         return _fused_sampled(B, user, items, ids, scale, precision)
 
     return fused

@@ -243,14 +243,16 @@ class ReferenceOps:
 
     def _time_buckets(self, bias: AttentionBias, geometry: str, gap: Callable):
         """int32 ``bucket(gap())`` (``relative_bias``'s rule) for ``bias.ts_w``'s K buckets, memoised."""
-        xp = self.xp
         num_buckets = bias.ts_w.shape[0] - 1
 
-        def buckets():
-            bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap(), side="right") - 1
-            return xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
+        return self._memo(bias, ("time_bucket", geometry, num_buckets), lambda: self.time_buckets(gap(), num_buckets))
 
-        return self._memo(bias, ("time_bucket", geometry, num_buckets), buckets)
+    def time_buckets(self, gap, num_buckets: int):
+        """int32 ``clamp(floor(log(max(gap, 1)) / 0.301), 0, K)`` of int32 gaps ``>= 0`` (any shape),
+        K = ``num_buckets``: by integer comparison with ``time_bucket_thresholds``, exact."""
+        xp = self.xp
+        bucket = xp.searchsorted(self.time_bucket_thresholds(num_buckets), gap, side="right") - 1
+        return xp.astype(xp.clip(bucket, 0, num_buckets), xp.int32)
 
     def tile_time_buckets(self, layout: Jagged, bias: AttentionBias):
         """``[P, C, C]`` int32 time bucket of every cell of ``layout.tiles``' pairs (query cell i of

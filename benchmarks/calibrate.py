@@ -13,7 +13,7 @@ torchrun's CPU ranks). Per length: one warm-up (and JAX compilation), then the m
 ``repeats`` (5) timed runs, divided by ``m``. The fit is ``balance.fit_cost`` with an intercept ``c`` (per-sequence
 overhead), which the balancer may ignore because every rank gets the same number of sequences.
 
-What it means. With the jagged attention (``ops.attention = "jagged"``, the torch/JAX default) the
+What it means. With the no-padding attention (``ops.attention = "jagged"``, or the default fused C++ tiles) the
 L^2 term is the causal attention's tiles. With the padded reference (``ops.attention =
 "reference"``) attention costs ``max_len^2`` per sequence slot whatever L is, so the fit finds
 ``a ~ 0`` and the dense part lands in ``c``: the balancer then balances the linear work

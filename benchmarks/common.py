@@ -64,19 +64,19 @@ def backends_for(cfg, names=None) -> list:
 
 
 def fused_available(B) -> bool:
-    """Torch's fused C++ CPU ops run the loss in ``B`` (``ops.sampled_logits`` "best" or
-    "cpu_fused" on the CPU) and are built here."""
+    """The fused C++ CPU ops run the loss in ``B`` (``ops.sampled_logits`` "best" or "cpu_fused"
+    on the CPU; torch's extension, or the XLA FFI library on jax) and are built here."""
     if B.op_names.get("sampled_logits") not in ("best", "cpu_fused") or B.device_kind != "cpu":
         return False
     from backends import cpu_fused
 
-    return cpu_fused.available(warn=False)
+    return cpu_fused.available(warn=False, B=B)
 
 
 def kernel_variant(B, kernel: str, fused_ops: bool = True):
     """A copy of backend ``B`` whose ``hstu_attention`` uses ``kernel`` (a registered attention
     kernel: "jagged" | "tiled" | "reference" | ...; ``Backend.with_ops``). ``fused_ops = False``
-    also turns off torch's fused C++ CPU ops of the loss (``cpu_fused.OFF``), so the step is the
+    also turns off the fused C++ CPU ops of the loss (``cpu_fused.OFF``), so the step is the
     array-API formulation both backends share."""
     from backends.cpu_fused import OFF
 

@@ -2,10 +2,10 @@
 tokens per second of each backend on each config of ``step.STEP_CONFIGS``.
 
 The step is the training step of ``step.prepare_step`` (forward, backward, AdamW) with each
-backend's defaults (kernel "default", ``kernel_used``: "best" on torch, which on CPU is the fused
-C++ tiles, with the fused sampled logits; "jagged" on JAX), and the tiled no-padding attention
-(``ops.attention = "tiled"``) and the padded reference attention on the same jagged batch in the
-formulation both backends share (torch's fused C++ ops off: ``cpu_fused.OFF``;
+backend's defaults (kernel "default", ``kernel_used``: "best", which on CPU is the fused C++
+tiles with the fused sampled logits: torch's extension, JAX's XLA FFI custom calls), and the tiled
+no-padding attention (``ops.attention = "tiled"``) and the padded reference attention on the same
+jagged batch in the formulation both backends share (the fused C++ ops off: ``cpu_fused.OFF``;
 "jagged" runs whichever of those two ``Backend.tiles_pay_off`` picks).
 For each config and kernel the backends' steps ALTERNATE (``step.alternate_steps``: one warm-up
 step each, then ``repeats`` rounds, medians), so the torch / JAX ratio is not the load's drift

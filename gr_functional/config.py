@@ -323,15 +323,16 @@ class OpsConfig:
     they support; others are refused by name). "default" is the backend's own choice
     (``Backend.default_ops``); a plugin may register more (``backends.ops.register``)."""
 
-    # HSTU attention (backends/kernels.py): "default" ("best" on torch = "cpu_fused" on CPU where it
-    # builds, else "jagged"; "jagged" on jax; "auto" = mxrec or Triton on npu), "jagged" (no-padding
-    # tiles where they save enough work), "tiled" (always), "reference" (padded), "cpu_fused" (fused
-    # C++ tiles, torch CPU), "triton" (torch/npu), "mxrec" (npu).
+    # HSTU attention (backends/kernels.py): "default" ("best" on torch and jax = "cpu_fused" on CPU
+    # where it builds, else "jagged"; "auto" = mxrec or Triton on npu), "jagged" (no-padding tiles
+    # where they save enough work), "tiled" (always), "reference" (padded), "cpu_fused" (fused C++
+    # tiles on CPU: a torch extension, an XLA custom call on jax), "triton" (torch/npu), "pallas"
+    # (jax), "mxrec" (npu).
     attention: str = "default"
     # The ranking model's target-aware attention: "reference" (padded).
     ranking_attention: str = "default"
     # The loss's sampled logits, fp32 or with 16-bit negatives (backends/loss_ops.py): "default"
-    # ("best" on torch: the fused C++ op on CPU where it builds, else "reference"), "cpu_fused",
+    # ("best" on torch and jax: the fused C++ op on CPU where it builds, else "reference"), "cpu_fused",
     # "reference" (the backend's formulation; torch: row-chunked).
     sampled_logits: str = "default"
     # The shared negative pool's logsumexp (loss.name = "shared_pool" and "in_batch"): as sampled_logits.

@@ -59,9 +59,10 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     rows = _lines(capsys)
     assert len(rows) == 6 and max(r["vs_fastest"] for r in rows) == 1.0  # 2 backends x 3 kernels
     used = {(r["backend"], r["kernel"]): r["kernel_used"] for r in rows}
-    assert used[("torch", "default")] == "best" and used[("jax", "default")] == "jagged"
+    assert used[("torch", "default")] == "best" and used[("jax", "default")] == "best"
     fused = {(r["backend"], r["kernel"]): r["cpu_fused"] for r in rows}
-    assert not fused[("torch", "tiled")] and not fused[("torch", "reference")] and not fused[("jax", "default")]
+    assert fused[("torch", "default")] and fused[("jax", "default")]  # CI builds both fronts
+    assert not any(fused[(b, k)] for b in ("torch", "jax") for k in ("tiled", "reference"))
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import shlex
 import shutil
 import sys
+
+from .toolchain import FLAGS, HEADER, compiler_reason
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
 # one build folder per checkout: torch's build.ninja names the source by its absolute path, so two
@@ -39,14 +40,12 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attenti
 # it over each other at every switch, each waiting for the other's turn (measured: a 4-rank test
 # past its 180 s limit)
 _NAME = "grf_hstu_cpu_fused_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
-_HEADER = os.path.join(os.path.dirname(_SOURCE), "kernels.h")  # the ops' core, shared with the XLA front
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-trapping-math", "-fopenmp"]
 
 
 def _header_flag() -> list[str]:
     """A define carrying kernels.h's hash: torch's build cache keys on the sources and flags, not
     on included headers, so a changed header must change the flags to be rebuilt."""
-    with open(_HEADER, "rb") as f:
+    with open(HEADER, "rb") as f:
         return [f"-DGRF_KERNELS_H={hashlib.sha1(f.read()).hexdigest()[:12]}"]
 
 
@@ -70,14 +69,6 @@ def unavailable_reason() -> str | None:
         # the PyPI wheel's binary is on PATH only in an activated environment: cpp_extension runs
         # `ninja` by name, so put its directory there
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    return None
-
-
-def compiler_reason() -> str | None:
-    """Why no C++ compiler can build the ops, or None."""
-    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # CXX may carry a launcher or flags
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++) to build it"
     return None
 
 
@@ -259,7 +250,7 @@ def load():
 
             try:
                 with _BuildTurn(cpp_extension):  # never waits on a lock whose owner died
-                    module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=_FLAGS + _header_flag(),
+                    module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=FLAGS + _header_flag(),
                                                 extra_ldflags=["-fopenmp"], verbose=False)
             except UnsupportedOnBackend as exc:
                 reason = str(exc).removeprefix("cpu_fused ops: ")
@@ -507,4 +498,4 @@ def factory(B):
     return front.attention
 
 
-from . import xla  # noqa: E402 - the XLA front reads this module's flags and checks
+from . import xla  # noqa: E402 - ops_for names it

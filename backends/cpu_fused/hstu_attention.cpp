@@ -176,8 +176,7 @@ std::vector<torch::Tensor> sampled_backward(torch::Tensor grad, torch::Tensor us
 }
 
 
-// The sampled logits with 16-bit negatives (Backend.sampled_logits_16bit): user[T, D], items[N, D],
-// scale[T] float32, ids[T, R] integer, half (fp16) or bf16 -> out[T, R]; the rows rounded in cache.
+// sampled16_forward_impl (kernels.h) on tensors: user[T, D], items[N, D], scale[T] float32, ids[T, R] integer.
 torch::Tensor sampled16_forward(torch::Tensor user, torch::Tensor items, torch::Tensor ids, torch::Tensor scale,
                                 bool half) {
   auto u = user.contiguous(), it = items.contiguous(), sc = scale.contiguous();
@@ -188,16 +187,12 @@ torch::Tensor sampled16_forward(torch::Tensor user, torch::Tensor items, torch::
               "cpu_fused 16-bit sampled logits: float32 only");
   auto id = checked_ids(ids, it.size(0));
   auto out = torch::empty({id.size(0), id.size(1)}, u.options());
-  const float* up = u.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t R = id.size(1), D = u.size(1);
-  for_rounded_rows(it.data_ptr<float>(), id.data_ptr<int64_t>(), sc.data_ptr<float>(), half, id.size(0), R, D,
-                   [&](int64_t t, int64_t r, const float* row) { op[t * R + r] = dot(up + t * D, row, D); });
+  sampled16_forward_impl<int64_t>(u.data_ptr<float>(), it.data_ptr<float>(), id.data_ptr<int64_t>(),
+                                  sc.data_ptr<float>(), half, out.data_ptr<float>(), id.size(0), id.size(1), u.size(1));
   return out;
 }
 
-// Its gradients: d_user through the rounded rows, d_items straight through the rounding (the
-// fp32 master rows learn): grad[T, R] -> (d_user[T, D], d_items[N, D]).
+// sampled16_backward_impl on tensors: grad[T, R] -> (d_user[T, D], d_items[N, D]).
 std::vector<torch::Tensor> sampled16_backward(torch::Tensor grad, torch::Tensor user, torch::Tensor items,
                                               torch::Tensor ids, torch::Tensor scale, bool half) {
   auto u = user.contiguous(), it = items.contiguous(), sc = scale.contiguous(), g = grad.contiguous().to(torch::kFloat);
@@ -205,18 +200,9 @@ std::vector<torch::Tensor> sampled16_backward(torch::Tensor grad, torch::Tensor 
               "cpu_fused 16-bit sampled logits: float32 only");
   auto id = checked_ids(ids, it.size(0));
   auto du = torch::zeros_like(u), di = torch::empty_like(it);
-  const float* gp = g.data_ptr<float>();
-  float* dup = du.data_ptr<float>();
-  const int64_t R = id.size(1), D = u.size(1);
-  for_rounded_rows(it.data_ptr<float>(), id.data_ptr<int64_t>(), sc.data_ptr<float>(), half, id.size(0), R, D,
-                   [&](int64_t t, int64_t r, const float* row) {
-                     float* dut = dup + t * D;
-                     const float gv = gp[t * R + r];
-#pragma omp simd
-                     for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
-                   });
-  items_grad_by_id<float, int64_t>(gp, u.data_ptr<float>(), id.data_ptr<int64_t>(), di.data_ptr<float>(), id.size(0), R, D,
-                          it.size(0));
+  sampled16_backward_impl<int64_t>(g.data_ptr<float>(), u.data_ptr<float>(), it.data_ptr<float>(),
+                                   id.data_ptr<int64_t>(), sc.data_ptr<float>(), half, du.data_ptr<float>(),
+                                   di.data_ptr<float>(), id.size(0), id.size(1), u.size(1), it.size(0));
   return {du, di};
 }
 

@@ -496,8 +496,8 @@ void round_row_16(const float* row, float s, bool half, int64_t D, float* out) {
 
 // One pass of the 16-bit logits over positions: for each (t, r) the rounded row (scale[t]) is
 // handed to visit(t, r, rounded_row), fwd taking dots and bwd summing d_user.
-template <typename Visit>
-void for_rounded_rows(const float* items, const int64_t* ids, const float* scale, bool half, int64_t n_pos,
+template <typename I, typename Visit>
+void for_rounded_rows(const float* items, const I* ids, const float* scale, bool half, int64_t n_pos,
                       int64_t R, int64_t D, Visit visit) {
   grf_parallel_for(0, n_pos, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(D);
@@ -507,6 +507,29 @@ void for_rounded_rows(const float* items, const int64_t* ids, const float* scale
         visit(t, r, buf.data());
       }
   });
+}
+
+// The sampled logits with 16-bit negatives (Backend.sampled_logits_16bit): user[T, D], items[N, D],
+// scale[T] float32, ids[T, R], half (fp16) or bf16 -> out[T, R]; the rows rounded in cache.
+template <typename I>
+void sampled16_forward_impl(const float* u, const float* items, const I* ids, const float* scale, bool half, float* out,
+                            int64_t n_pos, int64_t R, int64_t D) {
+  for_rounded_rows(items, ids, scale, half, n_pos, R, D,
+                   [&](int64_t t, int64_t r, const float* row) { out[t * R + r] = dot(u + t * D, row, D); });
+}
+
+// Its gradients: d_user through the rounded rows, d_items straight through the rounding (the
+// fp32 master rows learn): grad[T, R] -> du[T, D] (zeros on entry), di[N, D].
+template <typename I>
+void sampled16_backward_impl(const float* g, const float* u, const float* items, const I* ids, const float* scale,
+                             bool half, float* du, float* di, int64_t n_pos, int64_t R, int64_t D, int64_t N) {
+  for_rounded_rows(items, ids, scale, half, n_pos, R, D, [&](int64_t t, int64_t r, const float* row) {
+    float* dut = du + t * D;
+    const float gv = g[t * R + r];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dut[d] += gv * row[d];
+  });
+  items_grad_by_id<float, I>(g, u, ids, di, n_pos, R, D, N);
 }
 
 // ----------------------------------------------------------------------------- shared pool

@@ -4,6 +4,7 @@ wrapped as ``custom_vjp`` functions with the contracts of the torch ops in this 
 
     attention(B, q[T, H, dqk], k, v[T, H, dv], layout, norm_len, bias) -> out[T, H, dv]
     sampled_logits(user[T, D], items[N, D], ids[T, R] int32) -> out[T, R]
+    sampled_logits_16bit(user, items, ids, scale[T], precision) -> out[T, R]
 
 float32/float64 on the CPU. The kernels are the torch extension's, so a JAX step computes the same
 bits as a torch step on the same inputs (``tests/differential/test_cpu_fused.py`` checks it), and
@@ -28,11 +29,12 @@ import shlex
 import subprocess
 import tempfile
 
-from . import _FLAGS, _HEADER, compiler_reason
+from .toolchain import FLAGS, HEADER, compiler_reason
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_ffi.cpp")
 _TARGETS = {"grf_hstu_forward": "GrfHstuForward", "grf_hstu_backward": "GrfHstuBackward",
-            "grf_sampled_forward": "GrfSampledForward", "grf_sampled_backward": "GrfSampledBackward"}
+            "grf_sampled_forward": "GrfSampledForward", "grf_sampled_backward": "GrfSampledBackward",
+            "grf_sampled16_forward": "GrfSampled16Forward", "grf_sampled16_backward": "GrfSampled16Backward"}
 _STATE: dict = {}  # "lib" or "error": the one build / load attempt of this process
 
 
@@ -50,7 +52,7 @@ def _command(out: str) -> list[str]:
     import jax
 
     compiler = shlex.split(os.environ.get("CXX", "")) or ["c++"]
-    return [*compiler, "-std=c++17", "-shared", "-fPIC", *_FLAGS, "-I", jax.ffi.include_dir(),
+    return [*compiler, "-std=c++17", "-shared", "-fPIC", *FLAGS, "-I", jax.ffi.include_dir(),
             "-I", os.path.dirname(_SOURCE), _SOURCE, "-o", out]
 
 
@@ -59,7 +61,7 @@ def _library_path() -> str:
     import jax
 
     digest = hashlib.sha1()
-    for path in (_SOURCE, _HEADER):
+    for path in (_SOURCE, HEADER):
         with open(path, "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(_command("")).encode())
@@ -174,17 +176,33 @@ def _functions():
 
     sampled.defvjp(sampled_fwd, sampled_bwd)
 
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def sampled16(user, items, ids, scale, half):
+        out = jax.ShapeDtypeStruct(ids.shape, user.dtype)
+        return jax.ffi.ffi_call("grf_sampled16_forward", out)(user, items, ids, scale, half=half)
+
+    def sampled16_fwd(user, items, ids, scale, half):
+        return sampled16(user, items, ids, scale, half), (user, items, ids, scale)
+
+    def sampled16_bwd(half, res, grad):
+        user, items, ids, scale = res
+        d_user, d_items = jax.ffi.ffi_call("grf_sampled16_backward", (shaped(user), shaped(items)))(
+            grad.astype(user.dtype), user, items, ids, scale, half=half)
+        return d_user, d_items, None, None  # none to scale (the oracle's rule: straight through)
+
+    sampled16.defvjp(sampled16_fwd, sampled16_bwd)
+
     def int32(x):
         return jnp.asarray(x).astype(jnp.int32)
 
-    _STATE["functions"] = (tiles, sampled, int32)
+    _STATE["functions"] = (tiles, sampled, sampled16, int32)
     return _STATE["functions"]
 
 
 def attention(B, q, k, v, layout, norm_len, bias):
     """``hstu_attention``'s contract (backends/kernels.py) on ``layout.tiles``, fused: the torch
     extension's kernel (``backends/cpu_fused``) as an XLA custom call."""
-    tiles, _, int32 = _functions()
+    tiles, _, _, int32 = _functions()
     xp = B.xp
     plan = layout.tiles
     pos_w = bias.pos_w if bias.pos_w is not None else xp.zeros(0, dtype=q.dtype)
@@ -201,8 +219,16 @@ attention.recomputes = lambda B, q, layout: True
 def sampled_logits(user, items, ids):
     """``Backend.sampled_logits_reference``: ``out[t, r] = <user[t], items[ids[t, r]]>`` (the torch
     extension's ``sampled_logits``, as an XLA custom call)."""
-    _, sampled, int32 = _functions()
+    _, sampled, _, int32 = _functions()
     return sampled(user, items, int32(ids))
+
+
+def sampled_logits_16bit(user, items, ids, scale, precision: str):
+    """``Backend.sampled_logits_16bit_reference`` on float32 arrays (the torch extension's
+    ``sampled_logits_16bit``, as an XLA custom call): user[T, D], items[N, D], ids[T, R], scale[T]
+    (> 0), precision "fp16" | "bf16" -> [T, R]."""
+    _, _, sampled16, int32 = _functions()
+    return sampled16(user, items, int32(ids), scale.astype(user.dtype), precision == "fp16")
 
 
 def unavailable_reason() -> str | None:

@@ -7,6 +7,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include <atomic>
+#include <cstring>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -277,62 +278,94 @@ ffi::Error sampled_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer grad, ff
   });
 }
 
+void check_sampled16(const ffi::AnyBuffer& user, const ffi::AnyBuffer& items, const ffi::Buffer<ffi::S32>& ids,
+                     const ffi::Buffer<ffi::F32>& scale) {
+  ffi::DataType dtype;
+  check_sampled(user, items, ids, &dtype);
+  GRF_CHECK(dtype == ffi::DataType::F32, "cpu_fused 16-bit sampled logits: float32 only");
+  GRF_CHECK(scale.dimensions().size() == 1 && scale.dimensions()[0] == user.dimensions()[0],
+            "cpu_fused 16-bit sampled logits: user[T, D], items[N, D], ids[T, R], scale[T]");
+}
+
+ffi::Error sampled16_forward(ffi::ThreadPool thread_pool, ffi::AnyBuffer user, ffi::AnyBuffer items,
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> scale, bool half,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  return guarded(&thread_pool, [&] {
+    check_sampled16(user, items, ids, scale);
+    const auto sd = ids.dimensions();
+    grf::sampled16_forward_impl<int32_t>(user.typed_data<float>(), items.typed_data<float>(), ids.typed_data(),
+                                         scale.typed_data(), half, out->typed_data<float>(), sd[0], sd[1],
+                                         user.dimensions()[1]);
+  });
+}
+
+ffi::Error sampled16_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer grad, ffi::AnyBuffer user,
+                              ffi::AnyBuffer items, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> scale, bool half,
+                              ffi::Result<ffi::AnyBuffer> d_user, ffi::Result<ffi::AnyBuffer> d_items) {
+  return guarded(&thread_pool, [&] {
+    check_sampled16(user, items, ids, scale);
+    GRF_CHECK(grad.element_type() == ffi::DataType::F32, "cpu_fused 16-bit sampled logits: float32 only");
+    const auto sd = ids.dimensions();
+    std::memset(d_user->untyped_data(), 0, d_user->size_bytes());
+    grf::sampled16_backward_impl<int32_t>(grad.typed_data<float>(), user.typed_data<float>(),
+                                          items.typed_data<float>(), ids.typed_data(), scale.typed_data(), half,
+                                          d_user->typed_data<float>(), d_items->typed_data<float>(), sd[0], sd[1],
+                                          user.dimensions()[1], items.dimensions()[0]);
+  });
+}
+
 }  // namespace grf_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuForward, grf_xla::hstu_forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k
-                                  .Arg<ffi::AnyBuffer>()          // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // chunk_rows
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_k
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::AnyBuffer>()          // pos_w
-                                  .Arg<ffi::AnyBuffer>()          // ts_w
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // bucket
-                                  .Attr<int64_t>("norm_len")
-                                  .Ret<ffi::AnyBuffer>());        // out
+namespace grf_xla {
+// The handlers' argument lists after their first (dout / grad, in the backward handlers).
+// Bindings cannot be copied or moved by their users: passed on by reference, returned as built.
+template <typename Binding>
+auto attention_args(Binding&& binding) {  // q, k, v, chunk_rows, pair_q, pair_k, pos, pos_w, ts_w, bucket; norm_len
+  using I32 = ffi::Buffer<ffi::S32>;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<I32>()
+      .template Arg<I32>()
+      .template Arg<I32>()
+      .template Arg<I32>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<I32>()
+      .template Attr<int64_t>("norm_len");
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuBackward, grf_xla::hstu_backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // dout
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k
-                                  .Arg<ffi::AnyBuffer>()          // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // chunk_rows
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_k
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::AnyBuffer>()          // pos_w
-                                  .Arg<ffi::AnyBuffer>()          // ts_w
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // bucket
-                                  .Attr<int64_t>("norm_len")
-                                  .Ret<ffi::AnyBuffer>()          // dq
-                                  .Ret<ffi::AnyBuffer>()          // dk
-                                  .Ret<ffi::AnyBuffer>()          // dv
-                                  .Ret<ffi::AnyBuffer>()          // dpos
-                                  .Ret<ffi::AnyBuffer>());        // dts
+template <typename Binding>
+auto sampled_args(Binding&& binding) {  // user, items, ids
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledForward, grf_xla::sampled_forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // user
-                                  .Arg<ffi::AnyBuffer>()          // items
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
-                                  .Ret<ffi::AnyBuffer>());        // out
+template <typename Binding>
+auto sampled16_args(Binding&& binding) {  // user, items, ids, scale; half
+  return sampled_args(std::move(binding)).template Arg<ffi::Buffer<ffi::F32>>().template Attr<bool>("half");
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledBackward, grf_xla::sampled_backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // grad
-                                  .Arg<ffi::AnyBuffer>()          // user
-                                  .Arg<ffi::AnyBuffer>()          // items
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
-                                  .Ret<ffi::AnyBuffer>()          // d_user
-                                  .Ret<ffi::AnyBuffer>());        // d_items
+inline auto bind() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+}  // namespace grf_xla
+
+using grf_xla::bind;
+using Out = ffi::AnyBuffer;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuForward, grf_xla::hstu_forward, grf_xla::attention_args(bind()).Ret<Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfHstuBackward, grf_xla::hstu_backward,  // dq, dk, dv, dpos, dts
+                              grf_xla::attention_args(bind().Arg<ffi::AnyBuffer>())
+                                  .Ret<Out>().Ret<Out>().Ret<Out>().Ret<Out>().Ret<Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledForward, grf_xla::sampled_forward, grf_xla::sampled_args(bind()).Ret<Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampledBackward, grf_xla::sampled_backward,  // d_user, d_items
+                              grf_xla::sampled_args(bind().Arg<ffi::AnyBuffer>()).Ret<Out>().Ret<Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampled16Forward, grf_xla::sampled16_forward,
+                              grf_xla::sampled16_args(bind()).Ret<Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrfSampled16Backward, grf_xla::sampled16_backward,  // d_user, d_items
+                              grf_xla::sampled16_args(bind().Arg<ffi::AnyBuffer>()).Ret<Out>().Ret<Out>());
 
 // Binds torch's sgemm_/dgemm_ (libtorch_cpu, opened here if the process has not imported torch):
 // "" or why not. The returned text lives until the next call.

@@ -346,3 +346,76 @@ def test_a_fresh_lock_that_replaced_the_stale_one_is_kept(tmp_path, monkeypatch)
     cpu_fused._remove_stale_lock(cpp_extension)
     monkeypatch.setattr(fcntl, "flock", real_flock)
     assert os.path.exists(lock)
+
+
+# ----------------------------------------------------------------------------- the XLA FFI front (JAX)
+def _jax_fused(ops):
+    from backends import BackendUnavailable
+
+    try:
+        return get_backend("jax", ops=ops)
+    except BackendUnavailable as exc:
+        if os.environ.get("CI") and platform.machine() == "x86_64":
+            raise  # CI's machines can build it: never skip there
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("tile", [1, 5])
+@pytest.mark.parametrize("bias", ["none", "pos", "time", "both"])
+@pytest.mark.parametrize("case", ["mixed", "empty_slots"])
+def test_jax_custom_call_gives_the_torch_extensions_bits(case, bias, tile):
+    """The attention as an XLA FFI custom call under jit (JAX's cpu_fused) and as the torch
+    extension (torch's): one kernels.h, so the output and every gradient are the same bits."""
+    J = _jax_fused({"attention": "cpu_fused"})
+    T = _fused_backend()
+    layout, inputs, n = _inputs(case, bias)
+    inputs = {k: (v.astype(np.float32) if v.dtype == np.float64 else v) for k, v in inputs.items()}
+    inputs["layout"] = layout.with_tiles(tile)
+
+    def loss(B, a):
+        return B.xp.sum(B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(B, a)) * a["cot"])
+
+    def out(B):
+        a = B.asarray_tree(inputs)
+        return B.to_numpy(B.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(B, a)))
+
+    np.testing.assert_array_equal(out(J), out(T))
+    got, want = grads(J, loss, inputs), grads(T, loss, inputs)
+    for key in ["q", "k", "v"] + [key for key in ("pos_w", "ts_w") if key in inputs]:
+        assert np.abs(want[key]).max() > 0, key
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("precision", [None, "fp16", "bf16"])
+def test_jax_sampled_logits_custom_call_gives_the_torch_extensions_bits(precision):
+    """The sampled logits (16-bit negatives too) as XLA FFI custom calls: the torch extension's bits,
+    outputs and both gradients, with repeated ids and more positions than one task takes."""
+    J = _jax_fused({"sampled_logits": "cpu_fused"})
+    T = get_backend("torch", ops={"sampled_logits": "cpu_fused"})
+    rng = np.random.default_rng(11)
+    n_pos, N, R, D = 300, 40, 6, 8
+    inputs = {"user": rng.standard_normal((n_pos, D)).astype(np.float32),
+              "items": (rng.standard_normal((N, D)) * 5).astype(np.float32),
+              "ids": rng.integers(0, N, (n_pos, R)).astype(np.int32),
+              "scale": (2.0 ** rng.integers(1, 4, n_pos)).astype(np.float32),
+              "cot": rng.standard_normal((n_pos, R)).astype(np.float32)}
+    inputs["ids"][:, 1] = inputs["ids"][:, 0]
+
+    def logits(B, a):
+        if precision is None:
+            return B.sampled_logits(a["user"], a["items"], a["ids"])
+        return B.sampled_logits_16bit(a["user"], a["items"], a["ids"], a["scale"], precision)
+
+    np.testing.assert_array_equal(*(B.to_numpy(logits(B, B.asarray_tree(inputs))) for B in (J, T)))
+    got, want = (grads(B, lambda B, a: B.xp.sum(logits(B, a) * a["cot"]), inputs) for B in (J, T))
+    for key in ("user", "items"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_jax_custom_call_refuses_ids_out_of_range_by_name():
+    """A kernel's check inside a custom call comes back as JAX's error with the kernel's message."""
+    J = _jax_fused({"sampled_logits": "cpu_fused"})
+    ids = J.asarray(np.array([[0, 9], [1, 2]], dtype=np.int32))
+    with pytest.raises(Exception, match=r"ids must be in \[0, 9\)"):
+        J.to_numpy(J.sampled_logits(J.asarray(np.zeros((2, 3), np.float32)), J.asarray(np.zeros((9, 3), np.float32)),
+                                    ids))

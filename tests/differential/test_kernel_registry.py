@@ -121,11 +121,11 @@ def test_grf_train_imports_a_kernel_plugin(tmp_path):
 
 def test_default_resolves_per_backend():
     assert kernels.default_kernel("torch") == "best"  # cpu_fused on CPU where it builds, else jagged
-    assert kernels.default_kernel("jax") == "jagged"
+    assert kernels.default_kernel("jax") == "best"  # the same C++ tiles, as an XLA FFI custom call
     assert kernels.default_kernel("npu") == "auto"
     assert get_backend("torch").hstu_kernel == "best"
     assert get_backend("torch", ops={"attention": "default"}).hstu_kernel == "best"
-    assert get_backend("jax", ops={"attention": "default"}).hstu_kernel == "jagged"
+    assert get_backend("jax", ops={"attention": "default"}).hstu_kernel == "best"
 
 
 @pytest.mark.parametrize("overrides, refused", [

@@ -98,6 +98,22 @@ def test_time_bucket_thresholds_match_float64_log():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("num_buckets", [1, 2, 16, 128])
+def test_backend_time_buckets_are_the_thresholds_rule(backend, num_buckets):
+    """``Backend.time_buckets`` (JAX: a float estimate corrected by comparison) gives exactly the
+    thresholds' searchsorted buckets: at every threshold and its neighbours (repeated thresholds
+    included: 2 starts buckets 1 and 2, int32's maximum ends the table), zero, and random gaps."""
+    thr = time_bucket_thresholds(num_buckets).astype(np.int64)
+    near = (thr[:, None] + np.arange(-2, 3)[None, :]).ravel()
+    random = np.random.default_rng(0).integers(0, 2**31 - 1, 20000)
+    gaps = np.clip(np.concatenate([near, random, np.arange(0, 3000), [0, 2**31 - 2, 2**31 - 1]]), 0, 2**31 - 1)
+    gaps = gaps.astype(np.int32).reshape(-1, 1)  # any shape
+    want = np.clip(np.searchsorted(thr, gaps, side="right") - 1, 0, num_buckets)
+    got = backend.to_numpy(backend.time_buckets(backend.asarray(gaps), num_buckets))
+    assert got.dtype == np.int32 and got.shape == gaps.shape
+    np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------------ attention kernels (registry)
 @pytest.mark.parametrize("backend_name, kernel", kernel_params())
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
