@@ -11,7 +11,10 @@
   pool is torch's only). A call it cannot serve (a dtype) raises ``UnsupportedOnBackend``
   naming it.
 - ``best`` (the torch and jax default): ``cpu_fused`` for the calls it serves where the ops build
-  (a failed build is reported once, as a warning), else ``reference``.
+  (a failed build is reported once, as a warning), and for the sampled logits where the catalogue
+  has enough rows per negative (``Backend.sampled_per_id_pays``: with negatives numbering a
+  quarter of the catalogue or more, JAX's dense product is faster; torch's from a half); else
+  ``reference``.
 """
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ def _best_sampled(B):
     on = B.device_kind == "cpu" and cpu_fused.available(B=B)
 
     def best(B, user, items, ids, scale=None, precision=None):
-        if on and _sampled_served(B, user, items, scale):
+        if on and B.sampled_per_id_pays(items, ids) and _sampled_served(B, user, items, scale):
             return _fused_sampled(B, user, items, ids, scale, precision)
         return sampled_reference(B, user, items, ids, scale, precision)
 

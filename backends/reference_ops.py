@@ -284,6 +284,16 @@ class ReferenceOps:
 
     # padded score cells over tiled ones (capacities) from which "jagged" runs the tiled kernel
     jagged_min_work_ratio = 1.0
+    # catalogue rows per negative column (N / R) from which the "best" sampled logits run the fused
+    # per-id dots; below it the backend's dense [T, N] product and gather (its "reference") is
+    # faster. Measured on CPU at ML-1M's shape (T = 16,384, D = 50, N = 3,953, R = 128..2,048):
+    # JAX's crossover at N / R = 4.5, torch's at 2.2 (docs/results/speed.md "Fused CPU ops")
+    sampled_per_id_min_ratio = 4.0
+
+    def sampled_per_id_pays(self, items, ids) -> bool:
+        """Static (shapes only): do the per-id dots of ``ids[..., R]`` into ``items[N, D]`` beat
+        the dense product? ``N >= sampled_per_id_min_ratio * R``."""
+        return items.shape[0] >= self.sampled_per_id_min_ratio * ids.shape[-1]
 
     def tiles_pay_off(self, layout: Jagged) -> bool:
         """Static (shapes only, so a jit-time choice): does the tile plan save enough work?

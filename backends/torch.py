@@ -58,6 +58,7 @@ class TorchBackend(Backend):
                                      f"torch on a machine with a GPU")
         # measured crossover of the tiled kernel vs the padded one (docs/results/speed.md "Speed")
         self.jagged_min_work_ratio = 2.0 if self.torch_device.type == "cpu" else 1.0
+        self.sampled_per_id_min_ratio = 2.0  # the fused sampled logits' crossover (ReferenceOps)
         self.use_ops(ops)
         self.compile = bool(compile)
 

@@ -419,3 +419,26 @@ def test_jax_custom_call_refuses_ids_out_of_range_by_name():
     with pytest.raises(Exception, match=r"ids must be in \[0, 9\)"):
         J.to_numpy(J.sampled_logits(J.asarray(np.zeros((2, 3), np.float32)), J.asarray(np.zeros((9, 3), np.float32)),
                                     ids))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "jax"])
+def test_best_sampled_logits_leave_wide_negatives_to_the_dense_product(backend_name, monkeypatch):
+    """"best" runs the per-id fused dots while the catalogue has ``sampled_per_id_min_ratio`` rows
+    per negative or more, the backend's dense formulation (its "reference") once the negatives
+    are too many: the same logits either way."""
+    import backends.cpu_fused as cpu_fused
+
+    B = _fused_backend() if backend_name == "torch" else _jax_fused({})
+    front = cpu_fused.ops_for(B)
+    calls = []
+    real = front.sampled_logits
+    monkeypatch.setattr(front, "sampled_logits", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(5)
+    N, ratio = 40, B.sampled_per_id_min_ratio
+    user, items = rng.standard_normal((7, 4)).astype(np.float32), rng.standard_normal((N, 4)).astype(np.float32)
+    for R, fused in ((int(N / ratio), True), (int(N / ratio) + 1, False)):
+        calls.clear()
+        ids = rng.integers(0, N, (7, R)).astype(np.int32)
+        got = B.to_numpy(B.sampled_logits(B.asarray(user), B.asarray(items), B.asarray(ids)))
+        assert bool(calls) == fused, R
+        assert rel_err(got, np.einsum("td,trd->tr", user, items[ids])) <= 1e-6
