@@ -36,6 +36,9 @@
 #include <utility>
 #include <vector>
 
+// hidden: each front's shared library keeps its own copy (no symbol of one can interpose the
+// other's when both are loaded into one process)
+#pragma GCC visibility push(hidden)
 namespace grf {
 
 using gemm_f = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
@@ -169,6 +172,7 @@ Plan read_plan(const I* r, int64_t nc, int64_t C, const I* q, const I* k, int64_
   }
   plan.q_first.assign(nc + 1, 0);
   for (int64_t p = 0; p < P; ++p) {
+    GRF_CHECK(q[p] >= 0 && k[p] >= 0, "cpu_fused attention: pair ", p, " names a negative chunk");
     if (q[p] >= nc || k[p] >= nc || plan.len[q[p]] == 0 || plan.len[k[p]] == 0) continue;  // padding pairs
     GRF_CHECK(plan.pq.empty() || q[p] >= plan.pq.back(), "cpu_fused attention: pairs not sorted by query chunk");
     plan.pq.push_back(q[p]);
@@ -667,3 +671,4 @@ void pool_lse_backward_impl(const T* g, const T* u, const T* w, const int64_t* i
 
 
 }  // namespace grf
+#pragma GCC visibility pop

@@ -64,8 +64,14 @@ def _library_path() -> str:
     for path in (_SOURCE, HEADER):
         with open(path, "rb") as f:
             digest.update(f.read())
+    import jaxlib
+
     digest.update(" ".join(_command("")).encode())
-    digest.update(jax.__version__.encode())
+    digest.update(jaxlib.__version__.encode())
+    try:  # another compiler (an upgrade, CXX) builds another library
+        digest.update(subprocess.run(_command("")[:1] + ["--version"], capture_output=True, text=True).stdout.encode())
+    except OSError:
+        pass
     root = os.environ.get("GRF_XLA_FFI_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gr_functional",
                                                              "xla_ffi")
     return os.path.join(root, f"grf_xla_ffi_{digest.hexdigest()[:16]}.so")
@@ -87,6 +93,7 @@ def _build(path: str) -> None:
             done = subprocess.run(_command(tmp), capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"building {_SOURCE} failed ({' '.join(_command(tmp))}):\n{done.stderr[-4000:]}")
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared GRF_XLA_FFI_DIR out
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -115,10 +122,14 @@ def load():
             if reason is None:
                 import jax
 
-                for target, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _STATE["lib"] = lib
-                return lib
+                try:
+                    for target, symbol in _TARGETS.items():
+                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                except Exception as exc:  # a jaxlib whose FFI registration differs
+                    reason = f"registering its XLA custom-call targets failed: {exc}"
+                else:
+                    _STATE["lib"] = lib
+                    return lib
         _STATE["error"] = f"cpu_fused ops for JAX: {reason}"
     raise UnsupportedOnBackend(_STATE["error"])
 

@@ -6,6 +6,10 @@
 // Errors (a malformed plan, ids out of range) come back as FFI errors, raised in Python by JAX.
 #include "xla/ffi/api/ffi.h"
 
+#include <dlfcn.h>
+#include <immintrin.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <condition_variable>
@@ -19,6 +23,9 @@
 #include <vector>
 
 namespace ffi = xla::ffi;
+
+// everything but the handlers' C entry points stays inside the library
+#pragma GCC visibility push(hidden)
 
 template <typename... Parts>
 [[noreturn]] void grf_fail(const Parts&... parts) {
@@ -65,21 +72,30 @@ struct Parts {
   std::atomic<int64_t> next{0};
   int64_t total = 0, finished = 0;
   const std::function<void(int64_t)>* part = nullptr;
+  bool failed = false;
   std::string error;
   std::mutex mutex;
   std::condition_variable all_done;
 
   void work() {
     for (int64_t i = next++; i < total; i = next++) {
-      std::string failed;
+      bool ok = true;
+      std::string what;
       try {
         const grf::OneBlasThread one_blas_thread;
         (*part)(i);
       } catch (const std::exception& exc) {
-        failed = exc.what();
+        ok = false;
+        what = exc.what();
+      } catch (...) {
+        ok = false;
+        what = "cpu_fused ops: a task failed (a non-standard exception)";
       }
       std::lock_guard<std::mutex> lock(mutex);
-      if (!failed.empty() && error.empty()) error = failed;
+      if (!ok && !failed) {
+        failed = true;
+        error = what;
+      }
       if (++finished == total) all_done.notify_all();
     }
   }
@@ -94,11 +110,14 @@ void run_parts(int64_t parts, const std::function<void(int64_t)>& part) {
   auto state = std::make_shared<Parts>();
   state->total = parts;
   state->part = &part;
-  for (int64_t w = 1; w < parts; ++w) pool->Schedule([state] { state->work(); });
-  state->work();
+  try {  // a task that cannot be scheduled leaves its parts to the threads that run
+    for (int64_t w = 1; w < parts; ++w) pool->Schedule([state] { state->work(); });
+  } catch (...) {
+  }
+  state->work();  // never throws: every part's failure is recorded in state
   std::unique_lock<std::mutex> lock(state->mutex);
   state->all_done.wait(lock, [&] { return state->finished == state->total; });
-  if (!state->error.empty()) throw std::runtime_error(state->error);
+  if (state->failed) throw std::runtime_error(state->error);
 }
 
 struct UsePool {
@@ -158,6 +177,35 @@ void check_qkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyB
             "cpu_fused attention: q, k and v differ in dtype");
 }
 
+// The smallest and largest of n int32 values (0, -1 when n = 0): one vectorised pass.
+std::pair<int32_t, int32_t> min_max(const int32_t* x, int64_t n) {
+  int32_t lo = n > 0 ? x[0] : 0, hi = n > 0 ? x[0] : -1;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  return {lo, hi};
+}
+
+// What the kernels read besides q, k, v: the bias tables in q's dtype, and with a time table
+// bucket[P, C, C] naming its entries (the kernels index ts_w and its gradient by them).
+void check_bias(const ffi::AnyBuffer& q, const ffi::AnyBuffer& pos_w, const ffi::AnyBuffer& ts_w,
+                const ffi::Buffer<ffi::S32>& bucket, const ffi::Buffer<ffi::S32>& chunk_rows,
+                const ffi::Buffer<ffi::S32>& pair_q) {
+  for (const ffi::AnyBuffer* table : {&pos_w, &ts_w})
+    GRF_CHECK(table->element_count() == 0 || (table->dimensions().size() == 1 &&
+                                              table->element_type() == q.element_type()),
+              "cpu_fused attention: pos_w and ts_w are 1-d tables in q's dtype (or empty)");
+  const int64_t ts_size = ts_w.element_count();
+  if (ts_size == 0) return;
+  const int64_t C = chunk_rows.dimensions()[1], P = pair_q.element_count();
+  GRF_CHECK(static_cast<int64_t>(bucket.element_count()) == P * C * C, "cpu_fused attention: bucket must be [P, C, C] = [",
+            P, ", ", C, ", ", C, "], got ", bucket.element_count(), " values");
+  const auto [lo, hi] = min_max(bucket.typed_data(), bucket.element_count());
+  GRF_CHECK(lo >= 0 && hi < ts_size, "cpu_fused attention: time buckets must be in [0, ", ts_size, "), got [", lo,
+            ", ", hi, "]");
+}
+
 // The handlers' bodies run under one catch: a kernel's check becomes the call's error.
 template <typename Body>
 ffi::Error guarded(ffi::ThreadPool* thread_pool, Body body) {
@@ -177,6 +225,7 @@ ffi::Error hstu_forward(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyB
                         ffi::Buffer<ffi::S32> bucket, int64_t norm_len, ffi::Result<ffi::AnyBuffer> out) {
   return guarded(&thread_pool, [&] {
     check_qkv(q, k, v);
+    check_bias(q, pos_w, ts_w, bucket, chunk_rows, pair_q);
     ffi::DataType dtype;
     GRF_CHECK(is_float(q, &dtype), "cpu_fused attention: float32 or float64 only");
     const int64_t t_cap = q.dimensions()[0];
@@ -210,8 +259,12 @@ ffi::Error hstu_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer dout, ffi::
                          ffi::Result<ffi::AnyBuffer> dpos, ffi::Result<ffi::AnyBuffer> dts) {
   return guarded(&thread_pool, [&] {
     check_qkv(q, k, v);
+    check_bias(q, pos_w, ts_w, bucket, chunk_rows, pair_q);
     ffi::DataType dtype;
     GRF_CHECK(is_float(q, &dtype) && dout.element_type() == dtype, "cpu_fused attention: float32 or float64 only");
+    const auto gd = dout.dimensions(), qd = q.dimensions(), vd = v.dimensions();
+    GRF_CHECK(gd.size() == 3 && gd[0] == qd[0] && gd[1] == vd[1] && gd[2] == vd[2],
+              "cpu_fused attention: dout must be [T, H, dv] like the output");
     const int64_t t_cap = q.dimensions()[0];
     const grf::Plan plan = plan_of(chunk_rows, pair_q, pair_k, pos, t_cap);
     if (dtype == ffi::DataType::F32) {
@@ -231,11 +284,10 @@ void check_sampled(const ffi::AnyBuffer& user, const ffi::AnyBuffer& items, cons
             "cpu_fused sampled logits: user[T, D], items[N, D], ids[T, R]");
   GRF_CHECK(is_float(user, dtype) && items.element_type() == *dtype,
             "cpu_fused sampled logits: user and items float32 or float64, one dtype");
-  const int32_t* p = ids.typed_data();
-  const int64_t n = ids.element_count(), n_items = id[0];
-  for (int64_t e = 0; e < n; ++e)
-    GRF_CHECK(p[e] >= 0 && p[e] < n_items, "cpu_fused sampled logits: ids must be in [0, ", n_items, "), got ",
-              p[e]);
+  const int64_t n_items = id[0];
+  const auto [lo, hi] = min_max(ids.typed_data(), ids.element_count());
+  GRF_CHECK(lo >= 0 && hi < n_items, "cpu_fused sampled logits: ids must be in [0, ", n_items, "), got [", lo, ", ",
+            hi, "]");
 }
 
 ffi::Error sampled_forward(ffi::ThreadPool thread_pool, ffi::AnyBuffer user, ffi::AnyBuffer items,
@@ -261,7 +313,8 @@ ffi::Error sampled_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer grad, ff
   return guarded(&thread_pool, [&] {
     ffi::DataType dtype;
     check_sampled(user, items, ids, &dtype);
-    GRF_CHECK(grad.element_type() == dtype, "cpu_fused sampled logits: grad and user differ in dtype");
+    GRF_CHECK(grad.element_type() == dtype && grad.element_count() == ids.element_count(),
+              "cpu_fused sampled logits: grad[T, R] like the logits");
     const auto sd = ids.dimensions();
     const int64_t D = user.dimensions()[1], N = items.dimensions()[0];
     if (dtype == ffi::DataType::F32) {
@@ -304,7 +357,8 @@ ffi::Error sampled16_backward(ffi::ThreadPool thread_pool, ffi::AnyBuffer grad, 
                               ffi::Result<ffi::AnyBuffer> d_user, ffi::Result<ffi::AnyBuffer> d_items) {
   return guarded(&thread_pool, [&] {
     check_sampled16(user, items, ids, scale);
-    GRF_CHECK(grad.element_type() == ffi::DataType::F32, "cpu_fused 16-bit sampled logits: float32 only");
+    GRF_CHECK(grad.element_type() == ffi::DataType::F32 && grad.element_count() == ids.element_count(),
+              "cpu_fused 16-bit sampled logits: grad[T, R] float32, like the logits");
     const auto sd = ids.dimensions();
     std::memset(d_user->untyped_data(), 0, d_user->size_bytes());
     grf::sampled16_backward_impl<int32_t>(grad.typed_data<float>(), user.typed_data<float>(),
@@ -351,6 +405,8 @@ auto sampled16_args(Binding&& binding) {  // user, items, ids, scale; half
 
 inline auto bind() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
 }  // namespace grf_xla
+
+#pragma GCC visibility pop
 
 using grf_xla::bind;
 using Out = ffi::AnyBuffer;

@@ -350,11 +350,15 @@ def test_a_fresh_lock_that_replaced_the_stale_one_is_kept(tmp_path, monkeypatch)
 
 # ----------------------------------------------------------------------------- the XLA FFI front (JAX)
 def _jax_fused(ops):
+    """The jax backend with ``ops``, its custom calls built (else skipped with the reason, never on CI)."""
     from backends import BackendUnavailable
+    from backends.cpu_fused import xla
+    from npu_ops import UnsupportedOnBackend
 
     try:
+        xla.load()
         return get_backend("jax", ops=ops)
-    except BackendUnavailable as exc:
+    except (BackendUnavailable, UnsupportedOnBackend) as exc:
         if os.environ.get("CI") and platform.machine() == "x86_64":
             raise  # CI's machines can build it: never skip there
         pytest.skip(str(exc))
@@ -442,3 +446,27 @@ def test_best_sampled_logits_leave_wide_negatives_to_the_dense_product(backend_n
         got = B.to_numpy(B.sampled_logits(B.asarray(user), B.asarray(items), B.asarray(ids)))
         assert bool(calls) == fused, R
         assert rel_err(got, np.einsum("td,trd->tr", user, items[ids])) <= 1e-6
+
+
+def test_jax_without_the_custom_calls_runs_xlas_formulations_and_says_why(monkeypatch):
+    """Where the XLA FFI library cannot be built (no compiler, no AVX2), JAX's "best" warns once
+    with the reason and runs XLA's own tiles and sampled logits (the same results as "jagged" /
+    "reference"); asking for "cpu_fused" by name is refused with the reason."""
+    import backends.cpu_fused as cpu_fused
+    from backends import BackendUnavailable
+
+    monkeypatch.setattr(cpu_fused.xla, "_STATE", {"error": "cpu_fused ops for JAX: no C++ compiler ('c++' not on "
+                                                           "PATH; set CXX or install g++) to build it"})
+    monkeypatch.setitem(cpu_fused._BUILT, ("warned", cpu_fused.xla.__name__), False)
+    with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* the backend's own formulations run instead"):
+        B = get_backend("jax")
+    with pytest.raises(BackendUnavailable, match=r"ops.attention='cpu_fused' cannot run here: .*no C\+\+ compiler"):
+        get_backend("jax", ops={"attention": "cpu_fused"})
+    layout, inputs, n = attention_inputs("mixed", np.random.default_rng(4), heads=2, dqk=4, dv=4)
+    inputs["layout"] = layout.with_tiles(4)
+    jagged = get_backend("jax", ops={"attention": "jagged"})
+    outs = []
+    for X in (B, jagged):
+        a = X.asarray_tree(inputs)
+        outs.append(X.to_numpy(X.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(X, a))))
+    np.testing.assert_array_equal(outs[0], outs[1])
