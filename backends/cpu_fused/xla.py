@@ -57,15 +57,13 @@ def _command(out: str) -> list[str]:
 
 
 def _library_path() -> str:
-    """Where the library built from the current sources and flags lives."""
-    import jax
+    """Where the library built from the current sources, flags, jaxlib and compiler lives."""
+    import jaxlib
 
     digest = hashlib.sha1()
     for path in (_SOURCE, HEADER):
         with open(path, "rb") as f:
             digest.update(f.read())
-    import jaxlib
-
     digest.update(" ".join(_command("")).encode())
     digest.update(jaxlib.__version__.encode())
     try:  # another compiler (an upgrade, CXX) builds another library
