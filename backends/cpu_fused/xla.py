@@ -75,17 +75,54 @@ def _library_path() -> str:
     return os.path.join(root, f"grf_xla_ffi_{digest.hexdigest()[:16]}.so")
 
 
-def _build(path: str) -> None:
-    """Compile into ``path`` unless it exists; processes take turns (a ``flock``, dropped by the
-    kernel however its holder dies), the library written to a temporary name and renamed."""
-    import fcntl
+# how long a process waits for another one's build of the library (a build takes about 20 s on 2
+# busy cores) before it gives up naming the lock; libraries of other sources unused this long are
+# removed when a new one is built
+_TURN_WAIT_S = 15 * 60
+_STALE_S = 7 * 24 * 3600
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+def _take_turn(turn, lock_path: str, wait_s: float) -> None:
+    import fcntl
+    import time
+
+    start = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() - start > wait_s:
+                raise RuntimeError(f"waited {wait_s:.0f} s for another process building the library ({lock_path} is "
+                                   f"locked by it); stop it, or choose another GRF_XLA_FFI_DIR, then rerun")
+            time.sleep(0.2)
+
+
+def _remove_stale(folder: str, keep: str) -> None:
+    """Libraries (and their lock files) of other sources not used for ``_STALE_S``: old checkouts'."""
+    import time
+
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith("grf_xla_ffi_") and not path.startswith(keep):
+            try:
+                if time.time() - os.path.getatime(path) > _STALE_S:
+                    os.remove(path)
+            except OSError:
+                pass
+
+
+def _build(path: str, wait_s: float = _TURN_WAIT_S) -> None:
+    """Compile into ``path`` unless it exists; processes take turns (a ``flock``, dropped by the
+    kernel however its holder dies; a live holder is waited for at most ``wait_s``), the library
+    written to a temporary name and renamed."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
     with open(path + ".lock", "a") as turn:
-        fcntl.flock(turn, fcntl.LOCK_EX)
+        _take_turn(turn, path + ".lock", wait_s)
         if os.path.exists(path):
             return
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         try:
             done = subprocess.run(_command(tmp), capture_output=True, text=True)
@@ -96,6 +133,7 @@ def _build(path: str) -> None:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+        _remove_stale(folder, keep=path)
 
 
 def load():

@@ -470,3 +470,19 @@ def test_jax_without_the_custom_calls_runs_xlas_formulations_and_says_why(monkey
         a = X.asarray_tree(inputs)
         outs.append(X.to_numpy(X.hstu_attention(a["q"], a["k"], a["v"], a["layout"], n, attention_bias(X, a))))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_jax_library_build_waits_for_a_live_builder_then_names_its_lock(tmp_path):
+    """A process holding the build's turn (a live build) is waited for, at most ``wait_s``; then
+    the error names the lock file. A lock file left by a dead process holds no ``flock``: no wait."""
+    import fcntl
+
+    from backends.cpu_fused import xla
+
+    path = str(tmp_path / "grf_xla_ffi_test.so")
+    with open(path + ".lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # this open file description holds it, as another process would
+        with pytest.raises(RuntimeError, match=r"waited 0 s for another process building the library \(.*\.lock is"):
+            xla._build(path, wait_s=0.3)
+    open(path, "w").close()  # "built": with the lock file left behind and no holder, _build returns at once
+    xla._build(path, wait_s=0.3)
