@@ -14,7 +14,7 @@ from gr_functional.tree import is_static
 
 from . import dist_jax
 from .base import Backend
-from .reference_ops import TIME_BUCKET_DIVISOR, time_bucket_thresholds
+from .reference_ops import TIME_BUCKET_DIVISOR
 
 _REGISTERED: set[type] = set()
 
@@ -206,7 +206,7 @@ class JaxBackend(Backend):
         thr = self.time_bucket_thresholds(num_buckets)
         # thresholds repeat (2 starts buckets 1 and 2; int32's maximum ends the table): each
         # bucket found is moved to the last of its run, as searchsorted(side="right") counts them
-        table = np.asarray(time_bucket_thresholds(num_buckets))
+        table = self._thresholds_cache[num_buckets]  # the numpy table thr was made from
         last_of_run = self.asarray(np.searchsorted(table, table, side="right").astype(np.int32) - 1)
         g = gap.astype(jnp.int32)
         estimate = jnp.floor(jnp.log(jnp.maximum(g, 1).astype(jnp.float32)) / np.float32(TIME_BUCKET_DIVISOR))

@@ -286,8 +286,9 @@ class ReferenceOps:
     jagged_min_work_ratio = 1.0
     # catalogue rows per negative column (N / R) from which the "best" sampled logits run the fused
     # per-id dots; below it the backend's dense [T, N] product and gather (its "reference") is
-    # faster. Measured on CPU at ML-1M's shape (T = 16,384, D = 50, N = 3,953, R = 128..2,048):
-    # JAX's crossover at N / R = 4.5, torch's at 2.2 (docs/results/speed.md "Fused CPU ops")
+    # faster. Timed by hand on CPU at ML-1M's shape (T = 16,384, D = 50, N = 3,953, R = 128..2,048;
+    # not recorded): JAX's crossover at N / R = 4.5, torch's at 2.2. `grf bench negatives` times
+    # the wide-R steps that follow from it
     sampled_per_id_min_ratio = 4.0
 
     def sampled_per_id_pays(self, items, ids) -> bool:

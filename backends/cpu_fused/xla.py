@@ -29,6 +29,8 @@ import shlex
 import subprocess
 import tempfile
 
+from npu_ops import UnsupportedOnBackend  # no vendor import
+
 from .toolchain import FLAGS, HEADER, compiler_reason
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_ffi.cpp")
@@ -139,8 +141,6 @@ def _build(path: str, wait_s: float = _TURN_WAIT_S) -> None:
 def load():
     """The loaded library with its targets registered with XLA; ``UnsupportedOnBackend`` with the
     reason when it cannot be built or torch's BLAS is not found. Tried once per process."""
-    from npu_ops import UnsupportedOnBackend
-
     if "lib" in _STATE:
         return _STATE["lib"]
     if "error" not in _STATE:

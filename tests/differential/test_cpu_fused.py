@@ -14,16 +14,16 @@ import platform
 import numpy as np
 import pytest
 
-from backends import get_backend
-from backends.cpu_fused import OFF as UNFUSED
+import backends.cpu_fused as cpu_fused
+from backends import BackendUnavailable, get_backend
+from backends.cpu_fused import OFF as UNFUSED, xla
+from npu_ops import UnsupportedOnBackend
 
 from . import oracle
 from .common import MAX_LEN, attention_bias, attention_inputs, grads, rel_err
 
 
 def _fused_backend(dtype="float32"):
-    from backends import BackendUnavailable
-
     try:
         return get_backend("torch", dtype=dtype, ops={"attention": "cpu_fused"})
     except BackendUnavailable as exc:  # no compiler / not x86-64 AVX2: the reason is the message
@@ -97,8 +97,6 @@ def test_strided_rows_and_reproducible_runs():
 def test_best_runs_fused_on_cpu_fp32_and_jagged_otherwise(monkeypatch):
     """"best" (the torch default) calls the fused kernel on tile plans in fp32, the jagged one
     under a 16-bit precision view or without a plan."""
-    import backends.cpu_fused as cpu_fused
-
     _fused_backend()  # skips where the extension cannot be built
     calls = []
     real = cpu_fused.attention
@@ -149,8 +147,6 @@ def test_sampled_logits_vs_oracle_and_the_chunked_op(dtype, n_items):
 def test_sampled_logits_fused_op_is_the_one_running(monkeypatch):
     """On CPU in fp32 the backend calls the fused op; with ``cpu_fused.OFF``, under a bf16 view
     or off the CPU it does not."""
-    import backends.cpu_fused as cpu_fused
-
     _fused_backend()
     calls = []
     real = cpu_fused.sampled_logits
@@ -172,8 +168,6 @@ def test_sampled_logits_fused_op_refuses_ids_out_of_range():
     import torch
 
     _fused_backend()
-    import backends.cpu_fused as cpu_fused
-
     with pytest.raises(RuntimeError, match=r"ids must be in \[0, 9\)"):
         cpu_fused.sampled_logits(torch.zeros(2, 3), torch.zeros(9, 3), torch.tensor([[0, 9], [1, 2]]))
 
@@ -351,10 +345,6 @@ def test_a_fresh_lock_that_replaced_the_stale_one_is_kept(tmp_path, monkeypatch)
 # ----------------------------------------------------------------------------- the XLA FFI front (JAX)
 def _jax_fused(ops):
     """The jax backend with ``ops``, its custom calls built (else skipped with the reason, never on CI)."""
-    from backends import BackendUnavailable
-    from backends.cpu_fused import xla
-    from npu_ops import UnsupportedOnBackend
-
     try:
         xla.load()
         return get_backend("jax", ops=ops)
@@ -430,8 +420,6 @@ def test_best_sampled_logits_leave_wide_negatives_to_the_dense_product(backend_n
     """"best" runs the per-id fused dots while the catalogue has ``sampled_per_id_min_ratio`` rows
     per negative or more, the backend's dense formulation (its "reference") once the negatives
     are too many: the same logits either way."""
-    import backends.cpu_fused as cpu_fused
-
     B = _fused_backend() if backend_name == "torch" else _jax_fused({})
     front = cpu_fused.ops_for(B)
     calls = []
@@ -452,12 +440,9 @@ def test_jax_without_the_custom_calls_runs_xlas_formulations_and_says_why(monkey
     """Where the XLA FFI library cannot be built (no compiler, no AVX2), JAX's "best" warns once
     with the reason and runs XLA's own tiles and sampled logits (the same results as "jagged" /
     "reference"); asking for "cpu_fused" by name is refused with the reason."""
-    import backends.cpu_fused as cpu_fused
-    from backends import BackendUnavailable
-
-    monkeypatch.setattr(cpu_fused.xla, "_STATE", {"error": "cpu_fused ops for JAX: no C++ compiler ('c++' not on "
+    monkeypatch.setattr(xla, "_STATE", {"error": "cpu_fused ops for JAX: no C++ compiler ('c++' not on "
                                                            "PATH; set CXX or install g++) to build it"})
-    monkeypatch.setitem(cpu_fused._BUILT, ("warned", cpu_fused.xla.__name__), False)
+    monkeypatch.setitem(cpu_fused._BUILT, ("warned", xla.__name__), False)
     with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* the backend's own formulations run instead"):
         B = get_backend("jax")
     with pytest.raises(BackendUnavailable, match=r"ops.attention='cpu_fused' cannot run here: .*no C\+\+ compiler"):
@@ -476,8 +461,6 @@ def test_jax_library_build_waits_for_a_live_builder_then_names_its_lock(tmp_path
     """A process holding the build's turn (a live build) is waited for, at most ``wait_s``; then
     the error names the lock file. A lock file left by a dead process holds no ``flock``: no wait."""
     import fcntl
-
-    from backends.cpu_fused import xla
 
     path = str(tmp_path / "grf_xla_ffi_test.so")
     with open(path + ".lock", "a") as holder:
