@@ -220,7 +220,8 @@ class OptimConfig:
     # Learning-rate schedule (gr_functional/optim.py learning_rate), a function of the update
     # count t = 1, 2, ... held in the optimizer state (so a resume continues it exactly): a linear
     # warmup from 0 to lr over warmup_steps updates (0 = none), then "constant" lr, or a "cosine"
-    # or "linear" decay from lr to lr * end_lr_factor over decay_steps updates (then flat).
+    # or "linear" decay from lr to lr * end_lr_factor over decay_steps updates (then flat);
+    # decay_steps = 0 decays until the run's last update (resolved from the data and recorded).
     schedule: Schedule = "constant"
     warmup_steps: int = _range(0, ge=0)
     decay_steps: int = _range(0, ge=0)
@@ -743,9 +744,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
         fail("loss", "temperature", "fp16 logits (cosine / temperature) overflow above 65504; raise it to >= "
                                      "1.6e-5 or use backend.precision=bf16/fp32")
-    if cfg.optim.schedule != "constant" and cfg.optim.decay_steps < 1:
-        fail("optim", "decay_steps", f"optim.schedule={cfg.optim.schedule!r} decays over decay_steps updates; "
-                                     f"set it >= 1 (e.g. the run's total steps minus optim.warmup_steps)")
     emb = cfg.embedding
     if emb.kind == "hash" and emb.optimizer == "adamw":
         fail("embedding", "optimizer", "AdamW updates every row of the table at every step; a hash table is "

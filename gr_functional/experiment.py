@@ -21,12 +21,14 @@ from typing import Iterator
 from .batch import HSTUBatch
 from .config import Config
 from .configure import load_config
+from .optim import resolve_schedule
 
 
 @dataclasses.dataclass
 class Experiment:
-    """A config resolved against its data (``model.num_items`` filled in), the data, its
-    leave-one-out split and the training loader (``data.batching.TrainLoader``)."""
+    """A config resolved against its data (``model.num_items`` and a run-long ``optim.decay_steps``
+    filled in), the data, its leave-one-out split and the training loader
+    (``data.batching.TrainLoader``)."""
 
     cfg: Config
     data: object     # data.SequenceData
@@ -110,4 +112,5 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
     check_data(data, splits)
     check_negatives(cfg)
-    return Experiment(cfg, data, splits, batching.TrainLoader.from_config(splits.train, cfg))
+    loader = batching.TrainLoader.from_config(splits.train, cfg)
+    return Experiment(resolve_schedule(cfg, loader.steps_per_epoch), data, splits, loader)

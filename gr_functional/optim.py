@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from .config import OptimConfig
+from .config import OptimConfig, replace
+from .errors import ConfigError
 from .tree import tree_map
 
 
@@ -21,6 +22,30 @@ def adamw_init(B, params: dict) -> dict:
         "mu": tree_map(xp.zeros_like, params),
         "nu": tree_map(xp.zeros_like, params),
     }
+
+
+def run_updates(steps_per_epoch: int, cfg) -> int:
+    """The number of optimizer updates a run of ``cfg`` makes: ``ceil(steps_per_epoch /
+    train.accumulate) * train.epochs``, capped by ``train.max_steps`` when that is set."""
+    tc = cfg.train
+    total = -(-steps_per_epoch // tc.accumulate) * tc.epochs
+    return min(total, tc.max_steps) if tc.max_steps else total
+
+
+def resolve_schedule(cfg, steps_per_epoch: int):
+    """``cfg`` with ``optim.decay_steps = 0`` under a decaying schedule made concrete: the decay
+    ends with the run (its updates minus the warmup). Resolved once the data gives the steps per
+    epoch and recorded in the run's config.toml, so ``--set train.epochs=20`` on a recipe keeps its
+    shape: a cosine over 20 epochs there, over 101 at the recipe's default."""
+    o = cfg.optim
+    if o.schedule == "constant" or o.decay_steps > 0:
+        return cfg
+    decay = run_updates(steps_per_epoch, cfg) - o.warmup_steps
+    if decay < 1:
+        raise ConfigError(f"optim.decay_steps = 0 decays over the run after the warmup, but the run makes "
+                          f"{run_updates(steps_per_epoch, cfg)} update(s) and optim.warmup_steps = "
+                          f"{o.warmup_steps}; lower the warmup or set optim.decay_steps >= 1")
+    return replace(cfg, optim={"decay_steps": decay})
 
 
 def learning_rate(xp, t, cfg: OptimConfig):
@@ -37,6 +62,9 @@ def learning_rate(xp, t, cfg: OptimConfig):
         return lr
     after = lr
     if cfg.schedule != "constant":
+        if cfg.decay_steps < 1:
+            raise ValueError("optim.decay_steps = 0 (decay over the run) is resolved by the run loop "
+                             "(gr_functional.optim.resolve_schedule); call it with the steps per epoch first")
         p = xp.clip((t - W) / cfg.decay_steps, 0.0, 1.0)
         shape = (1.0 + xp.cos(math.pi * p)) / 2.0 if cfg.schedule == "cosine" else 1.0 - p
         end = lr * cfg.end_lr_factor

@@ -55,6 +55,7 @@ from .errors import Diverged, DistributedError, PluginError, TrainingAborted  # 
 from .comm import LocalComm
 from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
 from .log import say, warn
+from .optim import resolve_schedule, run_updates
 from .outputs import JsonLog, NullLog, write_result
 from .plugins import import_plugins, normalise
 from .report import select_epoch
@@ -119,6 +120,8 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     task.check(cfg, world)
     out = Path(out_dir)
     prepared = task.prepare(cfg, world)
+    # optim.decay_steps = 0 ends the decay with the run: concrete before anything records the config
+    prepared = dataclasses.replace(prepared, cfg=resolve_schedule(prepared.cfg, prepared.loader.steps_per_epoch))
     cfg = prepared.cfg
     ckdir = CheckpointDir(out / "checkpoints", keep=cfg.train.keep_checkpoints)
 
@@ -242,8 +245,7 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
     epoch, start = loader.position
     if state.epoch_end_pending >= 0:
         epoch, start = state.epoch_end_pending, None  # no batches left: only the epoch's end
-    total = -(-loader.steps_per_epoch // tc.accumulate) * tc.epochs
-    total = min(total, tc.max_steps) if tc.max_steps else total
+    total = run_updates(loader.steps_per_epoch, cfg)
 
     def save(reason: str, epoch_of: int) -> Path | None:
         log.sync()

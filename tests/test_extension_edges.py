@@ -179,3 +179,11 @@ def test_the_tie_seed_matters_on_resume_only_when_ties_are_shuffled():
     shuffled = replace(cfg, data={"ties": "shuffle"})
     assert resume_differences(shuffled, replace(shuffled, data={"ties_seed": 7}))[0] == [
         "data.ties_seed: checkpoint 0, now 7"]
+
+
+def test_code_api_resolves_a_run_long_decay():
+    import gr_functional as grf
+
+    exp = grf.prepare(tiny_config("optim.schedule=cosine", "optim.decay_steps=0", "optim.warmup_steps=2"))
+    # TINY: 5 updates per epoch x 3 epochs, less the warmup
+    assert exp.loader.steps_per_epoch == 5 and exp.cfg.optim.decay_steps == 13

@@ -111,3 +111,10 @@ def test_scheduled_adamw_matches_optax(name):
         q, s = adamw_update(B, B.asarray_tree(g), s, q, cfg)
     for (key, want), (_, got) in zip(tree_items(p), tree_items(q)):
         assert rel_err(B.to_numpy(got), np.asarray(want)) <= FWD_TOL, key
+
+
+def test_learning_rate_refuses_an_unresolved_run_long_decay():
+    from gr_functional.optim import learning_rate
+
+    with pytest.raises(ValueError, match="resolve_schedule"):
+        learning_rate(np, 1.0, OptimConfig(schedule="cosine", decay_steps=0))
