@@ -24,6 +24,7 @@ from .config import Config, migrate
 from .errors import ReportError  # noqa: F401 (re-exported)
 from .log import warn
 from .runlock import is_held
+from .task import TASKS
 
 DEFAULT_METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr")
 SELECT_METRIC = "hr@10"
@@ -274,7 +275,19 @@ def differing_keys(runs: list, ignore: tuple = ()) -> list:
     configs lack (written before the key existed) counts only among the runs that have it."""
     keys = sorted(set().union(*(r.config for r in runs))) if runs else []
     skip = set(_BOOKKEEPING) | set(ignore)
-    return [k for k in keys if k not in skip and len({repr(r.config[k]) for r in runs if k in r.config}) > 1]
+    return [k for k in keys if k not in skip
+            and len({repr(r.config[k]) for r in runs if k in r.config and _reads(r, k)}) > 1]
+
+
+def _reads(run: RunFolder, key: str) -> bool:
+    """Whether the run's task reads ``key`` (``Task.unused_keys``): a retrieval run's ranking.*
+    defaults, changed by a later version, neither tell it apart nor split its seed group."""
+    found = TASKS.find(run.config.get("model.task", "retrieval"))
+    section, _, name = key.partition(".")
+    if found is None or section not in found.unused_keys:
+        return True
+    unused = found.unused_keys[section]
+    return unused is not None and name not in unused
 
 
 def _status(run: RunFolder) -> str:

@@ -12,7 +12,7 @@ def _write_run(path, seed=42, blocks=2, evals=(), epochs=10, finished=True, extr
     """A run folder as runner.train writes it. evals: [(epoch, valid hr@10, test hr@10)]."""
     path.mkdir(parents=True)
     (path / "config.toml").write_text(
-        f"[model]\nnum_blocks = {blocks}\n\n[train]\nseed = {seed}\nepochs = {epochs}\neval_every = 5\n{extra_config}")
+        f"[model]\ntask = \"retrieval\"\nnum_blocks = {blocks}\n\n[train]\nseed = {seed}\nepochs = {epochs}\neval_every = 5\n{extra_config}")
     lines, timing = [], []
     for epoch, valid, test in evals:
         lines.append({"kind": "train", "step": epoch, "epoch": epoch, "loss": 1.0, "tokens": 10})
@@ -83,12 +83,12 @@ def test_keys_missing_from_older_configs_are_not_differences(tmp_path):
 def test_a_key_only_newer_runs_wrote_tells_them_apart_from_older_ones(tmp_path):
     """A key added later reads as the value older runs computed with (today's default, or
     config.migrate's exception): a newer run that set another value is a different group."""
-    _write_run(tmp_path / "old", evals=[(4, .2, .2)], extra_config="\n[ranking]\nembed_dim = 8\n")
+    _write_run(tmp_path / "old", evals=[(4, .2, .2)], extra_config="\n[data]\nbatch_negatives = 0\n")
     _write_run(tmp_path / "same", seed=1, evals=[(4, .2, .2)],
-               extra_config="\n[ranking]\nembed_dim = 8\nrecent_history = -1\n")
-    _write_run(tmp_path / "ablated", evals=[(4, .2, .2)], extra_config="\n[ranking]\nembed_dim = 8\nrecent_history = 0\n")
+               extra_config='\n[data]\nbatch_negatives = 0\nties = "file"\n')
+    _write_run(tmp_path / "ablated", evals=[(4, .2, .2)], extra_config='\n[data]\nbatch_negatives = 0\nties = "shuffle"\n')
     runs = report.find_runs([tmp_path / "old", tmp_path / "same", tmp_path / "ablated"])
-    assert report.differing_keys(runs, ignore=("train.seed",)) == ["ranking.recent_history"]
+    assert report.differing_keys(runs, ignore=("train.seed",)) == ["data.ties"]
     _, rows = report.summary_rows(runs, ["hr@10"], group_seeds=True)
     assert sorted(r["n"] for r in rows) == [1, 2]                  # old + same (seeds 42, 1) and ablated
 
@@ -118,3 +118,14 @@ def test_cli_prints_tables_and_json(tmp_path, capsys):
     assert [r["run"] for r in rows] == ["s1", "s2"] and rows[1]["hr@10"] == .32
     assert main(["report", str(tmp_path), "--curve", "ndcg@10", "--split", "valid"]) == 0
     assert "| 4 | 0.2500 | 0.2500 |" in capsys.readouterr().out
+
+
+def test_keys_the_task_does_not_read_neither_differ_nor_split_seed_groups(tmp_path):
+    """Retrieval runs whose [ranking] defaults changed between versions (Task.unused_keys) are one
+    recipe: no ranking.* column, one seed group."""
+    _write_run(tmp_path / "s42", evals=[(4, .2, .30)], extra_config="\n[ranking]\nembed_dim = 512\n")
+    _write_run(tmp_path / "s1", seed=1, evals=[(4, .2, .32)], extra_config="\n[ranking]\nembed_dim = 256\n")
+    runs = report.find_runs([tmp_path / "s42", tmp_path / "s1"])
+    assert report.differing_keys(runs) == ["train.seed"]
+    _, rows = report.summary_rows(runs, ["hr@10"], group_seeds=True)
+    assert [r["n"] for r in rows] == [2]
