@@ -40,11 +40,12 @@ def resolve_schedule(cfg, steps_per_epoch: int):
     o = cfg.optim
     if o.schedule == "constant" or o.decay_steps > 0:
         return cfg
-    decay = run_updates(steps_per_epoch, cfg) - o.warmup_steps
+    updates = run_updates(steps_per_epoch, cfg)
+    decay = updates - o.warmup_steps
     if decay < 1:
         raise ConfigError(f"optim.decay_steps = 0 decays over the run after the warmup, but the run makes "
-                          f"{run_updates(steps_per_epoch, cfg)} update(s) and optim.warmup_steps = "
-                          f"{o.warmup_steps}; lower the warmup or set optim.decay_steps >= 1")
+                          f"{updates} update(s) and optim.warmup_steps = {o.warmup_steps}; lower the warmup "
+                          f"or set optim.decay_steps >= 1")
     return replace(cfg, optim={"decay_steps": decay})
 
 

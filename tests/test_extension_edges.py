@@ -9,6 +9,7 @@ import pytest
 
 from gr_functional import runner
 from gr_functional.checkpoint import CheckpointDir
+from gr_functional.experiment import prepare
 from gr_functional.errors import ConfigError, TrainingAborted
 from gr_functional.hooks import Evaluation, Hook
 
@@ -182,8 +183,6 @@ def test_the_tie_seed_matters_on_resume_only_when_ties_are_shuffled():
 
 
 def test_code_api_resolves_a_run_long_decay():
-    import gr_functional as grf
-
-    exp = grf.prepare(tiny_config("optim.schedule=cosine", "optim.decay_steps=0", "optim.warmup_steps=2"))
+    exp = prepare(tiny_config("optim.schedule=cosine", "optim.decay_steps=0", "optim.warmup_steps=2"))
     # TINY: 5 updates per epoch x 3 epochs, less the warmup
     assert exp.loader.steps_per_epoch == 5 and exp.cfg.optim.decay_steps == 13

@@ -8,7 +8,7 @@ import torch
 
 from backends import get_backend
 from gr_functional.config import OptimConfig
-from gr_functional.optim import adamw_init, adamw_update
+from gr_functional.optim import adamw_init, adamw_update, learning_rate
 from gr_functional.tree import tree_items
 
 from .common import FWD_TOL, rel_err
@@ -114,7 +114,5 @@ def test_scheduled_adamw_matches_optax(name):
 
 
 def test_learning_rate_refuses_an_unresolved_run_long_decay():
-    from gr_functional.optim import learning_rate
-
     with pytest.raises(ValueError, match="resolve_schedule"):
         learning_rate(np, 1.0, OptimConfig(schedule="cosine", decay_steps=0))
