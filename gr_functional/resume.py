@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointDir, CheckpointError
+from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, check_finite, read_checkpoint
 from .log import warn
 from .config import Config, ConfigError, unread_sections
 from .errors import DataError
@@ -24,11 +24,6 @@ from .tree import tree_items
 RESUME_MODES = ("auto", "must", "never")
 
 
-# Keys that must equal the checkpoint's to resume: they decide which batches are drawn and what
-# the parameters mean. Any other key may change on resume (backend.name: resume on another
-# backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
-# and backend precision/dtype changes are allowed with a warning.
-# ----------------------------------------------------------------------------- resume
 # Keys that must equal the checkpoint's to resume: they decide which batches are drawn and what
 # the parameters mean. Any other key may change on resume (backend.name: resume on another
 # backend; train.epochs / max_steps: extend a run; eval, logging, checkpoint cadence); optim.*
@@ -163,25 +158,70 @@ def world_size() -> int:
         raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
 
 
+def _param_like(node, top: set) -> bool:
+    """A dict whose keys are all top-level parameter names: a moment tree (AdamW's ``mu``, a
+    subtree of optax's state such as ``optax.t0.nu``)."""
+    return isinstance(node, dict) and bool(node) and set(node) <= top
+
+
+def _moment_trees(tree, prefix: str, top: set):
+    """``(name, subtree)`` of every parameter-shaped subtree of an optimizer state. Other nodes
+    (step counts, optax's ``count``, schedules' state) are descended into, never compared: their
+    layout is the optimizer's own (an optax chain's ``t0.mu``, a user transform's fields)."""
+    if _param_like(tree, top):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from _moment_trees(tree[k], f"{prefix}.{k}", top)
+    elif isinstance(tree, (list, tuple)):
+        for i, x in enumerate(tree):
+            yield from _moment_trees(x, f"{prefix}.{i}", top)
+
+
 def check_param_shapes(ck: Checkpoint, expected: dict) -> None:
     """``CheckpointError`` when the checkpoint's params (and optimizer moments) do not have the shapes
-    its own embedded config gives (``expected``, the task's ``param_shapes``): an edited or
-    mis-assembled file."""
+    its own embedded config gives (``expected``, the task's ``param_shapes``).
+
+    The params must match ``expected`` exactly. In the optimizer state, every parameter-shaped
+    subtree (``_moment_trees``: AdamW's ``mu`` and ``nu``, an optax state's ``t0.mu``) must hold
+    the shapes of the parameters it names; a subtree naming only some parameters (optax's
+    ``masked``) is compared on those. A file that fails was written with other shapes than its own
+    config gives: edited, assembled from two runs, or written by a model whose ``param_shapes``
+    disagree with its ``init_params`` (refused when such a run starts)."""
     cfg = ck.config
-    trees = [("params", ck.params, expected)]
     moments = {k: v for k, v in expected.items() if not (k == "item_emb" and cfg.embedding.optimizer != "adamw")}
+    top = {k.split(".", 1)[0] for k in expected}
+    trees = [("params", ck.params, expected, True)]
     if ck.opt_state is not None:
-        # every moment tree of the dense optimizer (AdamW's mu and nu, Adagrad's sum_of_squares, ...)
-        trees += [(f"opt.{m}", tree, moments) for m, tree in dense_state(ck.opt_state).items()
-                  if isinstance(tree, dict)]
-    for name, tree, expected in trees:
+        for m, tree in dense_state(ck.opt_state).items():
+            # a moment tree of the state's top level is whole (AdamW's mu); deeper ones may be masked
+            trees += [(f"opt{name}", sub, moments, name == f".{m}") for name, sub in _moment_trees(tree, f".{m}", top)]
+    for name, tree, want, whole in trees:
         got = {k: tuple(np.shape(v)) for k, v in tree_items(tree)}
-        if got != expected:
-            diff = sorted(set(got) ^ set(expected))[:3] or [
-                f"{k}: {got[k]} vs {expected[k]}" for k in sorted(expected) if got[k] != expected[k]][:3]
-            raise CheckpointError(f"checkpoint {ck.path}: its {name} tensors do not match its own config "
-                                  f"(model.* gives other shapes; first differences: {', '.join(map(str, diff))}); "
-                                  f"the file was edited or assembled from another run")
+        if not whole:
+            want = {k: v for k, v in want.items() if k.split(".", 1)[0] in tree}
+        if got != want:
+            diff = sorted(set(got) ^ set(want))[:3] or [
+                f"{k}: {got[k]} vs {want[k]}" for k in sorted(want) if got[k] != want[k]][:3]
+            raise CheckpointError(f"checkpoint {ck.path}: its {name} tensors do not have the shapes its own config "
+                                  f"gives (first differences: {', '.join(map(str, diff))}); it was written with "
+                                  f"other parameter shapes than its model.* keys give, so it cannot be read "
+                                  f"as this config's state")
+
+
+def _resumable_last(ckdir: CheckpointDir, accept):
+    """``last.safetensors`` as the checkpoint to resume when the folder has no numbered ones
+    (deleted by hand, or copied without them): ``(checkpoint, [])`` when it reads, verifies and
+    carries a run's position, else ``(None, [])`` (a file of a version before resume, kept)."""
+    try:
+        ck = read_checkpoint(ckdir.last_path)
+        check_finite(ck)
+    except CheckpointError:
+        return None, []
+    if "loader" not in ck.meta or "run" not in ck.meta:
+        return None, []
+    reason = accept(ck)
+    return (ck, []) if reason is None else (None, [(ckdir.last_path, reason)])
 
 
 def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fingerprint: str, shapes_of):
@@ -211,6 +251,8 @@ def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fi
         return None
 
     restored, skipped = ckdir.latest_valid(accept=accept)
+    if restored is None and not skipped and not ckdir.steps() and ckdir.last_path.exists():
+        restored, skipped = _resumable_last(ckdir, accept)
     out = ckdir.folder.parent
     if restored is None and other_config:
         path, errors = other_config[0]
@@ -229,7 +271,13 @@ def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fi
                                   + (f" ({len(skipped)} damaged, see the warnings above)" if skipped else "")
                                   + "; run without --resume to start from step 0")
         if skipped:
-            warn(f"no valid checkpoint left in {ckdir.folder}; starting from step 0")
+            for path, reason in skipped:
+                events.append({"kind": "no_usable_checkpoint", "file": str(path), "reason": reason})
+            # Training from step 0 would overwrite the folder's results with a new run: the user decides.
+            raise CheckpointError(f"no usable checkpoint in {ckdir.folder}: {len(skipped)} checkpoint(s) could not be "
+                                  f"resumed (see the warnings above); nothing was written. Keep them and train "
+                                  f"elsewhere with another --out, evaluate one with grf eval --checkpoint FILE, "
+                                  f"or pass --fresh to delete them and start over")
         elif ckdir.last_path.exists():
             # written by a version without numbered checkpoints: not resumable, but a result
             raise CheckpointError(f"{ckdir.last_path} is from an earlier gr-functional version and cannot be "
