@@ -78,11 +78,33 @@ def validate(cfg: Config, source: str = "<config>") -> None:
              for section in dataclasses.fields(cfg)}, source, stored=True)
 
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+
+
+def config_path(text: str | Path | None) -> Path | None:
+    """A config file path, or a bare name from the packaged experiments/configs/ (``"quickstart"``,
+    ``"ml1m_hstu"``); a name that is neither is a ConfigError listing the packaged configs."""
+    if text is None:
+        return None
+    path = Path(text)
+    if path.exists():
+        return path
+    packaged = PACKAGED_CONFIGS / f"{path.stem if path.suffix == '.toml' else text}.toml"
+    if path.suffix != ".toml" or len(path.parts) == 1:
+        if packaged.exists():
+            return packaged
+    names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
+    raise ConfigError(f"--config {text}: no such file, and no packaged config of that name; packaged configs: "
+                      f"{', '.join(names)} (in {PACKAGED_CONFIGS})")
+
+
 def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
-    """Read a TOML config (or defaults when ``path`` is None) and apply ``--set`` overrides
-    (``"section.key=value"`` strings, or ``(label, "section.key=value")`` pairs). ``plugins`` (``grf
-    train --plugin``) are appended to ``train.plugins``; all of them are imported before the
-    config is checked, so the names they register are valid."""
+    """Read a TOML config (a file, or a packaged config's name: ``config_path``; defaults when
+    ``path`` is None) and apply ``--set`` overrides (``"section.key=value"`` strings, or ``(label,
+    "section.key=value")`` pairs). ``plugins`` (``grf train --plugin``) are appended to
+    ``train.plugins``; all of them are imported before the config is checked, so the names they
+    register are valid."""
+    path = config_path(path)
     values, source, origins = read_values(path, overrides)
     _import_plugins(values, source, origins, list(plugins))
     return resolve(values, source, origins, stored=is_run_record(path))

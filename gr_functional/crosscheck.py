@@ -27,7 +27,7 @@ from .configure import validate
 from .data import batching, split
 from .losses import negatives_for
 from .retrieval.task import load_sequences, resolve
-from .runner import evaluate_checkpoint, train
+from .runner import evaluate_checkpoint, for_evaluation, train
 from .runtime import make_backend
 from .tree import tree_items
 
@@ -154,23 +154,26 @@ def random_batch(cfg: Config, seed: int = 0, num_users: int = 16) -> HSTUBatch:
                       negatives=negatives_for(cfg, popularity))
 
 
-def config_as_trained(cfg: Config, name: str) -> Config:
+def config_as_trained(cfg: Config, name: str, *, trains: bool = True) -> Config:
     """``cfg`` as ``grf train --backend name`` would run it: the config's ops, device and
     determinism where they run on ``name`` (the config's own backend gets them all; the other side
     keeps what it supports, else its default), checked as train checks them, so a wrong kernel or
-    device is refused or compared, not skipped."""
+    device is refused or compared, not skipped. ``trains=False`` (evaluating a checkpoint): the
+    run's optimizer is not used, so one that runs on JAX only (optax) does not refuse another side."""
     if name == cfg.backend.name:
         side = cfg
     else:
         side = replace(cfg, backend={"name": name, "device": "", "compile": False},
                        ops={**ops.portable(ops.choices(cfg), name), "row_update": "default"})
+        if not trains:
+            side = for_evaluation(side)
     validate(side, source=f"--backends {name}")
     return side
 
 
 def backend_as_trained(cfg: Config, name: str):
     """The backend ``grf train --backend name`` would build from ``cfg`` (``config_as_trained``)."""
-    return make_backend(config_as_trained(cfg, name))
+    return make_backend(config_as_trained(cfg, name, trains=False))
 
 
 def trajectory(cfg: Config, names, steps: int, out: Path, tol: float = TRAJ_TOL) -> Report:

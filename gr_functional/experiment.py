@@ -101,12 +101,7 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
         cfg = replace(config, train={"plugins": tuple(dict.fromkeys(entries))})  # recorded: grf.fit(exp.cfg) keeps them
         validate(cfg)
     else:
-        path = None
-        if config is not None:
-            from .cli import _config_path
-
-            path = _config_path(str(config))
-        cfg = load_config(path, list(overrides), plugins=list(plugins))
+        cfg = load_config(config, list(overrides), plugins=list(plugins))
     data = load_sequences(cfg)
     cfg = resolve(cfg, data)
     splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)

@@ -56,6 +56,7 @@ from .comm import LocalComm
 from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
 from .log import say, warn
 from .optim import resolve_schedule, run_updates
+from .optimizers import check_config as check_optimizer
 from .outputs import JsonLog, NullLog, write_result
 from .plugins import import_plugins, normalise
 from .report import select_epoch
@@ -367,6 +368,14 @@ def _count_step(state: RunState, step: StepResult, cfg: Config) -> None:
         state.bad_in_a_row += int(counts)
 
 
+def for_evaluation(cfg: Config) -> Config:
+    """``cfg`` with the default optimizer when its own cannot be built on ``cfg.backend.name`` (an
+    optax run evaluated on torch): evaluation builds no optimizer, so the run's must not refuse it."""
+    if check_optimizer(cfg) is None:
+        return cfg
+    return replace(cfg, optim={"name": Config().optim.name})
+
+
 def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str = "test") -> dict:
     """Evaluate a checkpoint (trained on any backend) on ``backend`` with the run's own config."""
     ck = read_checkpoint(path)
@@ -381,7 +390,7 @@ def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str
         raise Diverged(f"{exc}; evaluate an earlier checkpoint of the run (OUT/checkpoints/step-*.safetensors)") from None
     if backend:
         # the run's kernels may not exist there: those take that backend's default
-        cfg = replace(cfg, backend={"name": backend}, ops=ops.portable(ops.choices(cfg), backend))
+        cfg = for_evaluation(replace(cfg, backend={"name": backend}, ops=ops.portable(ops.choices(cfg), backend)))
         # only what evaluation uses is checked: a plugin's loss need not be registered to evaluate
         build_config({"backend": {f.name: getattr(cfg.backend, f.name) for f in dataclasses.fields(cfg.backend)}},
                      source=f"--backend {backend}")

@@ -36,22 +36,43 @@ from ..registry import Registry
 
 @dataclasses.dataclass(frozen=True)
 class Download:
-    """Where ``grf data fetch NAME`` downloads a dataset from: a zip archive with a published MD5.
+    """Where ``grf data fetch NAME`` downloads from: a zip or tar.gz archive, or a single file, with
+    a checksum (the publisher's MD5, or a SHA-256 pinned here where nobody publishes one).
 
-    ``folder``/``main`` is the file the download must produce under the data dir (the dataset's
-    ``layout[0]``); the archive's files directly under ``zip_prefix`` are unpacked flat into
-    ``folder``. ``publisher`` and ``md5_url`` name who publishes the checksum and where, for the
-    error on a mismatch ("" = the URL's host / not said).
+    ``folder``/``main`` is the file the download must produce under the data dir (a dataset's
+    ``layout[0]``, or a candidate of the registered files it provides); an archive's regular files
+    directly under ``zip_prefix`` (a folder inside the zip or tarball) are unpacked flat into
+    ``folder``, and a single file is saved as ``main``. ``publisher`` and ``md5_url`` name who
+    publishes the checksum and where, for the error on a mismatch ("" = nobody / not said).
+    ``label`` and ``license`` are what ``grf data info`` lists beside the name ("" = the
+    dataset's label / nothing said).
     """
 
     url: str
-    md5: str          # hex digest, as published beside the archive
+    md5: str          # hex digest, as published beside the archive ("" when ``sha256`` is the checksum)
     folder: str       # under the data dir
-    zip_prefix: str   # folder inside the archive
+    zip_prefix: str   # folder inside the archive ("" for kind="file")
     main: str         # the file dataset_path() looks for
     approx_mb: int
     publisher: str = ""
-    md5_url: str = ""
+    md5_url: str = ""  # where the checksum (md5 or sha256) is published
+    kind: str = "zip"  # "zip" | "tar.gz" | "file" (a single file, not unpacked)
+    sha256: str = ""   # hex digest, checked instead of the MD5 when given
+    label: str = ""
+    license: str = ""
+
+    KINDS = ("zip", "tar.gz", "file")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"Download {self.url}: kind must be one of {', '.join(self.KINDS)}, not {self.kind!r}")
+        if bool(self.md5) == bool(self.sha256):
+            raise ValueError(f"Download {self.url}: give exactly one checksum, md5 or sha256")
+
+    @property
+    def checksum(self) -> tuple[str, str]:
+        """``(algorithm, hex digest)``: ``("sha256", ...)`` when a SHA-256 is given, else ``("md5", ...)``."""
+        return ("sha256", self.sha256) if self.sha256 else ("md5", self.md5)
 
 
 @dataclasses.dataclass(frozen=True)

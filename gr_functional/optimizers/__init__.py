@@ -43,6 +43,15 @@ def from_optax(tx) -> GradientTransformation:
     return wrap(tx)
 
 
+def with_dict_state(tx) -> GradientTransformation:
+    """An ``optax.GradientTransformation`` as a transform whose state is nested dicts, which
+    ``grf train`` checkpoints and resumes bitwise (JAX backend only; ``optax_adapter``). What
+    ``register_optimizer(NAME, optax=True)`` and ``optim.name = "optax:NAME"`` apply for you."""
+    from .optax_adapter import with_dict_state as wrap
+
+    return wrap(tx)
+
+
 __all__ = [
     "GradientTransformation", "OPTAX_PREFIX", "OPTIMIZERS", "Rule", "Schedule", "adagrad", "adam_rule", "adamw",
     "add_decayed_weights", "all_finite", "apply_if_finite", "apply_updates", "as_optax_schedule", "as_transform",
@@ -51,5 +60,5 @@ __all__ = [
     "linear_warmup", "lion", "lion_rule", "masked", "multi_steps", "names", "no_rule", "partition",
     "register_optimizer", "rowwise_adagrad", "rss_rule", "scale", "scale_by_adam", "scale_by_learning_rate",
     "scale_by_lion", "scale_by_rss", "scale_by_schedule", "schedule", "select", "sgd", "trace", "trace_rule",
-    "unscale", "update_loss_scale", "warmup_cosine_decay", "warmup_linear_decay",
+    "unscale", "update_loss_scale", "warmup_cosine_decay", "warmup_linear_decay", "with_dict_state",
 ]

@@ -4,7 +4,17 @@
     def my_opt(cfg: OptimConfig, learning_rate) -> GradientTransformation: ...
 
 A builder gets the ``OptimConfig`` and the learning rate (a number, or the schedule of
-``optim.schedule``: ``schedules.from_config``) and returns a transform. Shipped: ``adamw``,
+``optim.schedule``: ``schedules.from_config``, a function ``(xp, t)`` of the 1-based update
+number) and returns a transform. An optax builder (JAX backend only) returns an optax
+transformation, a chain included, and gets the learning rate as optax wants it (a number, or
+``count -> lr`` of optax's 0-based count)::
+
+    @register_optimizer("clipped_adabelief", optax=True)
+    def clipped_adabelief(cfg, learning_rate):
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adabelief(learning_rate, b1=cfg.beta1))
+
+Its state is kept as nested dicts (``optax_adapter.with_dict_state``), so ``grf train``
+checkpoints and resumes it bitwise, as ``"optax:NAME"``. Shipped: ``adamw``,
 ``adagrad``, ``sgd`` (``optim.momentum``, ``optim.nesterov``; momentum 0 = plain SGD), ``lion``
 (``beta1``/``beta2``). ``"optax:NAME"`` (JAX backend only) builds ``optax.NAME(learning_rate=
 schedule, ...)`` with the config's matching hyper-parameters (``optax_adapter``); the prefix is
@@ -31,16 +41,22 @@ OPTIMIZERS: Registry[Callable] = Registry(
         "@gr_functional.optimizers.register_optimizer(NAME) in a module passed to grf train --plugin")
 
 
-def register_optimizer(name: str, *, replace: bool = False):
+# names whose builders return optax transformations (register_optimizer(..., optax=True))
+OPTAX_BUILDERS: set[str] = set()
+
+
+def register_optimizer(name: str, *, replace: bool = False, optax: bool = False):
     """Decorator: register ``builder(cfg: OptimConfig, learning_rate) -> GradientTransformation``
     as ``name``. A name already taken by another definition is refused (``ValueError``) unless
-    ``replace=True``."""
+    ``replace=True``. ``optax=True``: the builder returns an ``optax.GradientTransformation`` (a
+    chain included) and gets optax's learning rate (module docstring); JAX backend only."""
     if not isinstance(name, str) or not name or name.startswith(OPTAX_PREFIX):
         raise ValueError(f"optimizer name {name!r}: a non-empty name not starting with {OPTAX_PREFIX!r} "
                          f"(reserved for optax's optimizers)")
 
     def decorate(builder: Callable) -> Callable:
         OPTIMIZERS.add(name, builder, replace=replace)
+        (OPTAX_BUILDERS.add if optax else OPTAX_BUILDERS.discard)(name)
         return builder
 
     return decorate
@@ -67,6 +83,8 @@ def check_config(cfg) -> str | None:
         return optax_problem(name[len(OPTAX_PREFIX):])
     if name not in OPTIMIZERS:
         return OPTIMIZERS.unknown_message(name)
+    if name in OPTAX_BUILDERS and backend is not None and backend != "jax":
+        return optax_refusal(name, backend)
     return None
 
 
@@ -89,7 +107,18 @@ def build(B, optim_cfg) -> GradientTransformation:
 
         return build_optax(B, name[len(OPTAX_PREFIX):], optim, schedule)
     builder = OPTIMIZERS.get_or(name, lambda msg: ConfigError(f"optim.name={name!r}: {msg}"))
-    return builder(optim, schedule)
+    if name in OPTAX_BUILDERS:
+        if B.name != "jax":
+            raise ConfigError(optax_refusal(name, B.name))
+        from .optax_adapter import as_optax_schedule, with_dict_state  # imports optax: only when asked for
+
+        return with_dict_state(builder(optim, as_optax_schedule(schedule, B.xp)))
+    tx = builder(optim, schedule)
+    if type(tx).__module__.split(".")[0] == "optax":
+        raise ConfigError(f"optim.name={name!r}: its builder returned an optax transformation; register it with "
+                          f"@register_optimizer({name!r}, optax=True), which keeps optax's state so that runs "
+                          f"checkpoint and resume, and passes the learning rate as optax wants it")
+    return tx
 
 
 # ----------------------------------------------------------------------------- shipped

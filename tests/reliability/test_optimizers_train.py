@@ -104,3 +104,52 @@ def test_an_optax_optimizer_by_name_trains_checkpoints_and_resumes_bitwise_on_ja
     for a, b in ((mine.params, theirs.params), (mine.opt_state, theirs.opt_state)):
         assert [(k, v.tobytes()) for k, v in tree_items(a)] == [(k, v.tobytes()) for k, v in tree_items(b)]
     assert main(["eval", "--checkpoint", str(last), "--backend", "jax", "--split", "valid"]) == 0
+
+
+def test_a_registered_optax_chain_under_grf_fit_resumes_evaluates_and_crosschecks(tmp_path):
+    """experiments/optax_chain.py (clip + adabelief registered with ``optax=True``, trained by
+    ``grf.fit``): killed after step 7 and run again, it resumes from its checkpoint to the
+    uninterrupted run's bytes; ``grf eval`` and ``grf crosscheck --checkpoint`` (torch beside JAX:
+    evaluation builds no optimizer) take the file."""
+    import subprocess
+    import sys
+
+    from .common import ROOT, TINY, subprocess_env
+
+    script = ROOT / "experiments" / "optax_chain.py"
+
+    def command(out):
+        return [sys.executable, str(script), str(out), *TINY, *CKPT, "optim.lr=0.01", "train.epochs=2"]
+
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    proc = subprocess.run(command(ref), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert _opt_keys(ref) == {"step", "optax"} and str(script) in (ref / "config.toml").read_text()
+    _run_until_fault(out, "after-step@7", command=command(out))
+    proc = subprocess.run(command(out), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming" in proc.stderr and "from step-00000006" in proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    last = out / "checkpoints" / "last.safetensors"
+    for name in ("params", "opt_state"):
+        a, b = (getattr(read_checkpoint(d / "checkpoints" / "last.safetensors"), name) for d in (out, ref))
+        assert [(k, v.tobytes()) for k, v in tree_items(a)] == [(k, v.tobytes()) for k, v in tree_items(b)]
+    for args in (["eval", "--checkpoint", str(last)], ["crosscheck", "--checkpoint", str(last), "--split", "valid"]):
+        proc = subprocess.run([sys.executable, "-m", "gr_functional.cli", *args], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (args, proc.stderr)
+
+
+def test_an_optax_builder_not_declared_as_optax_is_refused_naming_the_fix():
+    import optax
+
+    from backends import get_backend
+    from gr_functional.optimizers import OPTIMIZERS, build, register_optimizer
+
+    register_optimizer("test_undeclared_optax")(lambda cfg, lr: optax.adam(lr))
+    try:
+        cfg = tiny_config("optim.name=test_undeclared_optax", "backend.name=jax")
+        with pytest.raises(ConfigError, match=r"register_optimizer\('test_undeclared_optax', optax=True\)"):
+            build(get_backend("jax"), cfg.optim)
+    finally:
+        OPTIMIZERS.remove("test_undeclared_optax")

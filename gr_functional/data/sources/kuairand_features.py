@@ -181,10 +181,12 @@ register_file(DataFile(
     "kuairand-user-features", "KuaiRand user features",
     ("kuairand/KuaiRand-Pure/data/user_features_pure.csv", "kuairand/KuaiRand-1K/data/user_features_1k.csv",
      "kuairand/KuaiRand-27K/data/user_features_27k.csv"),
-    how_to_get="copy user_features_pure.csv of KuaiRand-Pure (https://kuairand.com, zenodo record 10439422) there"))
+    how_to_get="run `grf data fetch kuairand-pure` (KuaiRand-Pure from zenodo record 10439422, about 47 MB; "
+               "https://kuairand.com), or copy its user_features_pure.csv to the first path"))
 register_file(DataFile(
     "kuairand-video-features", "KuaiRand basic video features",
     ("kuairand/KuaiRand-Pure/data/video_features_basic_pure.csv",
      "kuairand/KuaiRand-1K/data/video_features_basic_1k.csv",
      "kuairand/KuaiRand-27K/data/video_features_basic_27k.csv"),
-    how_to_get="copy video_features_basic_pure.csv of KuaiRand-Pure (https://kuairand.com, zenodo record 10439422) there"))
+    how_to_get="run `grf data fetch kuairand-pure` (KuaiRand-Pure from zenodo record 10439422, about 47 MB; "
+               "https://kuairand.com), or copy its video_features_basic_pure.csv to the first path"))

@@ -271,9 +271,12 @@ register_dataset(DatasetSpec("kuairand-rank-gr", "KuaiRand (GR's processed_seqs.
 register_dataset(DatasetSpec("kuairand-rank-log", "KuaiRand log", _load_log, needs_file=False, task="ranking"))
 register_file(DataFile(
     "kuairand-pure-log", "KuaiRand-Pure standard log",
-    ("kuairand/KuaiRand-Pure/data/log_standard_pure_20220425_to_20220504.partial.csv",),
-    how_to_get="copy a KuaiRand-Pure standard log there (https://kuairand.com, zenodo record 10439422), or set "
-               "data.path to any official KuaiRand log csv"))
+    # The team's partial copy first, so existing setups keep reading it; then the official
+    # 04-22..05-08 log (``grf data fetch kuairand-pure``) whose period holds it.
+    ("kuairand/KuaiRand-Pure/data/log_standard_pure_20220425_to_20220504.partial.csv",
+     "kuairand/KuaiRand-Pure/data/log_standard_4_22_to_5_08_pure.csv"),
+    how_to_get="run `grf data fetch kuairand-pure` (KuaiRand-Pure from zenodo record 10439422, about 47 MB; "
+               "https://kuairand.com), or set data.path to any official KuaiRand log csv"))
 register_file(DataFile(
     "kuairand-pure-before", "KuaiRand-Pure per-user sequences before 2022-04-25",
     ("kuairand/KuaiRand-Pure/data/user_sequences_pure_before_20220425.parquet",),

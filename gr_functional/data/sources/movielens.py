@@ -104,6 +104,8 @@ def _ml1m_label(path: Path) -> str:
 
 
 _GROUPLENS = "https://files.grouplens.org/datasets/movielens/"
+_LISTED_LICENSE = ("research use, no redistribution; cite Harper and Konstan, ACM TiiS 2015 "
+                   "(terms: the archive's README)")
 
 register_dataset(DatasetSpec(
     "ml-1m", "ML-1M", _load_ml1m,
@@ -112,7 +114,8 @@ register_dataset(DatasetSpec(
     how_to_get="run `grf data fetch ml-1m` (downloads ml-1m.zip from files.grouplens.org and checks its md5)",
     default_file="ratings.dat", label_for=_ml1m_label,
     download=Download(_GROUPLENS + "ml-1m.zip", "c4d9eecfca2ab87c1945afe126590906", "movielens-1m", "ml-1m/",
-                      "ratings.dat", 6, publisher="GroupLens", md5_url=_GROUPLENS + "ml-1m.zip.md5")))
+                      "ratings.dat", 6, publisher="GroupLens", md5_url=_GROUPLENS + "ml-1m.zip.md5",
+                      license=_LISTED_LICENSE)))
 
 register_dataset(DatasetSpec(
     "ml-20m", "ML-20M", _load_ml20m,
@@ -120,4 +123,5 @@ register_dataset(DatasetSpec(
     how_to_get="run `grf data fetch ml-20m` (downloads ml-20m.zip from files.grouplens.org and checks its md5)",
     default_file="ratings.csv",
     download=Download(_GROUPLENS + "ml-20m.zip", "cd245b17a1ae2cc31bb14903e1204af3", "movielens-20m", "ml-20m/",
-                      "ratings.csv", 190, publisher="GroupLens", md5_url=_GROUPLENS + "ml-20m.zip.md5")))
+                      "ratings.csv", 190, publisher="GroupLens", md5_url=_GROUPLENS + "ml-20m.zip.md5",
+                      license=_LISTED_LICENSE)))
