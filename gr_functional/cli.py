@@ -40,26 +40,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torc
 DEFAULT_CONFIG = "quickstart"
 
 
-PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
-
-
-def _config_path(text: str | None) -> Path | None:
-    """A config file path, or a bare name from the packaged experiments/configs/; a name that is
-    neither is an error listing the packaged configs."""
-    if text is None:
-        return None
-    path = Path(text)
-    if path.exists():
-        return path
-    packaged = PACKAGED_CONFIGS / f"{path.stem if path.suffix == '.toml' else text}.toml"
-    if path.suffix != ".toml" or len(path.parts) == 1:
-        if packaged.exists():
-            return packaged
-    from .config import ConfigError
-
-    names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
-    raise ConfigError(f"--config {text}: no such file, and no packaged config of that name; packaged configs: "
-                      f"{', '.join(names)} (in {PACKAGED_CONFIGS})")
+from .configure import PACKAGED_CONFIGS, config_path as _config_path  # noqa: E402,F401 (re-exported)
 
 
 def _load(args):
@@ -249,22 +230,26 @@ def cmd_eval(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
+    from .errors import ConfigError
+
+    names = _crosscheck_usage(args)  # flag errors: exit 2 before anything is imported, loaded or built
+    if args.record:
+        _check_record(args.record, "crosscheck.jsonl")
     from . import model
     from .crosscheck import (backend_as_trained, checkpoint_evaluations, config_as_trained, crosscheck, first_batch,
                              trajectory)
 
-    names = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if len(names) != 2:
-        raise SystemExit("grf crosscheck: --backends takes two names, e.g. --backends jax,torch")
     if args.checkpoint:
-        if args.config or args.steps:
-            raise SystemExit("grf crosscheck: --checkpoint evaluates a trained run with its own config; drop --config "
-                             "and --steps")
-        report = checkpoint_evaluations(args.checkpoint, names, split=args.split, **_tol(args))
+        report = checkpoint_evaluations(args.checkpoint, names, split=args.split, users=args.users, **_tol(args))
         return _crosscheck_result(report, args)
-    if not args.config:
-        raise SystemExit("grf crosscheck: give --config FILE (one batch, or --steps N of training) or --checkpoint PATH")
     cfg = _load(args)
+    if not args.steps and cfg.model.task != "retrieval":
+        # before any backend is built: the layer trace (model.trace_names) is the retrieval model's;
+        # the training trajectory and a checkpoint's metrics compare any task
+        raise ConfigError(f"--config {args.config}: the layer-by-layer check (no --steps) runs the retrieval model "
+                          f"only, and this config has model.task={cfg.model.task!r}; use --steps N (trains N steps "
+                          f"on both backends and compares the losses and parameters) or --checkpoint PATH (a trained "
+                          f"run's metrics on both)")
     if args.steps:
         for name in names:
             config_as_trained(cfg, name)  # refused before either side trains
@@ -275,12 +260,43 @@ def cmd_crosscheck(args) -> int:
                 report = trajectory(cfg, names, args.steps, Path(tmp), **_tol(args))
         return _crosscheck_result(report, args)
     backends = [backend_as_trained(cfg, n) for n in names]
-    if cfg.model.task != "retrieval":
-        raise SystemExit(f"grf crosscheck: the layer-by-layer check runs the retrieval model; for model.task="
-                         f"{cfg.model.task!r} use --steps N (training on both) or --checkpoint PATH")
     cfg, batch = first_batch(cfg, args.users)
     params = model.model_of(cfg.model).init_params(cfg.model, seed=cfg.train.seed)
     return _crosscheck_result(crosscheck(backends, params, batch, cfg, **_tol(args, "fwd_tol", "grad_tol")), args)
+
+
+def _crosscheck_usage(args) -> list[str]:
+    """The two ``--backends`` names, after refusing (ConfigError: exit 2, ``grf: error: ...``) flags
+    that cannot work together or values no check can use: a wrong flag costs nothing, not a
+    training run or a compile followed by a "divergence" (exit 1)."""
+    import math
+
+    from .errors import ConfigError
+
+    names = [b.strip() for b in args.backends.split(",")]
+    if len(names) != 2 or not all(names):
+        raise ConfigError(f"--backends {args.backends}: crosscheck compares two backends, comma-separated, the "
+                          f"reference first: e.g. --backends jax,torch")
+    if args.steps < 0:  # 0 (the default) is the one-batch check
+        raise ConfigError(f"--steps must be >= 1 (training steps to compare on both backends), got {args.steps}; "
+                          f"leave --steps out for the one-batch layer-by-layer check")
+    if args.users < 1:
+        raise ConfigError(f"--users must be >= 1 (sequences in the checked batch, default 32), got {args.users}")
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol >= 0):
+        # a negative tolerance fails every row, NaN fails them all too: not a divergence, a typo
+        raise ConfigError(f"--tol must be a finite relative tolerance >= 0 (e.g. --tol 1e-5), got {args.tol:g}")
+    if args.checkpoint:
+        ignored = [flag for flag, given in (("--config", args.config), ("--steps", args.steps), ("--set", args.set),
+                                            ("--out", args.out)) if given]
+        if ignored:
+            raise ConfigError(f"--checkpoint evaluates a trained run with the config it was trained with: drop "
+                              f"{', '.join(ignored)} (or drop --checkpoint to check --config FILE)")
+    elif not args.config:
+        raise ConfigError("give --config FILE (one batch layer by layer, or --steps N of training) or "
+                          "--checkpoint PATH (a trained run's metrics)")
+    elif args.out and not args.steps:
+        raise ConfigError("--out keeps the two runs that --steps N trains; add --steps N or drop --out")
+    return names
 
 
 def _tol(args, *keys: str) -> dict:
@@ -291,7 +307,7 @@ def _tol(args, *keys: str) -> dict:
 def _crosscheck_result(report, args) -> int:
     print(report.to_json() if args.json else report.to_table())
     if args.record:  # one record per compared row: the data a results page shows
-        written = results.write(args.record, args.command_line, report.records())
+        written = _write_record(args.record, args.command_line, report.records())
         log.say(f"{len(report.rows)} records written to {written}")
     return 0 if report.ok else 1
 
@@ -313,6 +329,9 @@ def cmd_data(args) -> int:
                 print(f"  {name}: {paths.dataset_path(name)}")
             except Exception as exc:  # noqa: BLE001 - report, don't fail
                 print(f"  {name}: missing ({exc})")
+        print("downloads (grf data fetch NAME):")
+        for line in fetch.listing():
+            print(f"  {line}")
     return 0
 
 
@@ -332,14 +351,25 @@ def cmd_bench(args) -> int:
     import importlib
     import inspect
 
+    from .errors import ConfigError
+    from .registry import did_you_mean
+
+    # usage errors first (exit 2), before the benchmark's module (torch, jax: seconds) is imported
     if args.name not in BENCHMARKS:
-        raise SystemExit(f"grf bench: unknown benchmark {args.name!r}; available: {', '.join(BENCHMARKS)}")
+        raise ConfigError(f"grf bench {args.name}: no benchmark named {args.name!r}"
+                          f"{did_you_mean(args.name, BENCHMARKS)}; available: {', '.join(BENCHMARKS)}")
+    _bench_usage(args.name, _bench_params(args.name), args)
+    record = None
+    if args.record is not None:  # checked now: a bad path found after the run would lose its measurements
+        record = _check_record(args.record or str(results.RESULTS / "bench" / f"{args.name}.jsonl"),
+                               f"{args.name}.jsonl")
     module = importlib.import_module(BENCHMARKS[args.name])
     run = module.run
+    params = inspect.signature(run).parameters
+    _bench_usage(args.name, set(params), args)  # the same checks on the imported run() (one the source hides)
     if not args.config and getattr(module, "DEFAULT_CONFIG", None):  # a benchmark with its own preset
         args.config = module.DEFAULT_CONFIG
     kwargs = {"json_lines": args.json}
-    params = inspect.signature(run).parameters
     if "backends" in params:  # speed benchmarks: --backend torch,jax picks backends; --set backend.device=cuda
         backends = args.backend.split(",") if args.backend else None
         args.backend = None
@@ -348,17 +378,49 @@ def cmd_bench(args) -> int:
         kwargs.update(sets=list(args.set or []), config=args.config or DEFAULT_CONFIG)
     elif "cfg" in params:  # benchmarks of a model config (calibrate)
         kwargs["cfg"] = _load(args)
-    elif args.config or args.set or args.backend:
-        raise SystemExit(f"grf bench {args.name}: takes no --config/--set/--backend")
     if "tiny" in params:
         kwargs["tiny"] = args.tiny
-    elif args.tiny:
-        raise SystemExit(f"grf bench {args.name}: takes no --tiny (grf bench device does)")
-    if args.record is None:
+    if record is None:
         run(**kwargs)
         return 0
-    return _recorded(lambda: run(**{**kwargs, "json_lines": True}),
-                     args.record or str(results.RESULTS / "bench" / f"{args.name}.jsonl"), args.command_line)
+    return _recorded(lambda: run(**{**kwargs, "json_lines": True}), str(record), args.command_line)
+
+
+def _bench_params(name: str) -> set[str] | None:
+    """The parameter names of benchmark ``name``'s ``run()``, read from its source without importing
+    it (its imports take seconds, a usage error must not); None where the source does not tell
+    (no plain ``def run``, or one taking ``**kwargs``)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(BENCHMARKS[name])
+        tree = ast.parse(Path(spec.origin).read_text())
+    except (ImportError, AttributeError, TypeError, ValueError, OSError, SyntaxError):
+        return None
+    runs = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "run"]
+    if not runs or runs[-1].args.kwarg is not None:
+        return None
+    a = runs[-1].args
+    return {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+
+
+def _bench_usage(name: str, params: set[str] | None, args) -> None:
+    """Refuse (exit 2) the flags benchmark ``name`` does not take (``params``: its ``run()``'s
+    parameters; None: unknown, checked once it is imported)."""
+    from .errors import ConfigError
+
+    if params is None:
+        return
+    if args.tiny and "tiny" not in params:
+        tiny = [n for n in BENCHMARKS if "tiny" in (_bench_params(n) or ())]
+        raise ConfigError(f"grf bench {name}: takes no --tiny; drop it (benchmarks that take --tiny: "
+                          f"{', '.join(tiny) or 'none'})")
+    given = [flag for flag, value in (("--config", args.config), ("--set", args.set), ("--backend", args.backend))
+             if value]
+    if given and not params & {"backends", "sets", "cfg"}:
+        raise ConfigError(f"grf bench {name}: takes no --config, --set or --backend (it measures its own fixed "
+                          f"setup); drop {', '.join(given)}")
 
 
 def _recorded(command, path: str, command_line: str) -> int:
@@ -367,9 +429,53 @@ def _recorded(command, path: str, command_line: str) -> int:
     capture = results.JsonLines(sys.stdout)
     with contextlib.redirect_stdout(capture):
         command()
-    written = results.write(path, command_line, capture.records)
+    written = _write_record(path, command_line, capture.records)
     log.say(f"{len(capture.records)} records written to {written}")
     return 0
+
+
+def _check_record(text: str, example: str) -> Path:
+    """``--record FILE`` checked before anything is measured, as ``grf train`` checks ``--out``: a
+    folder, or a path through a file, is a usage error (ConfigError, exit 2: --record takes a FILE,
+    per its help); a folder that cannot be written to is a write failure (WriteError, exit 5, with
+    the OS's reason). Nothing is left behind: the probe file is an unnamed temporary one."""
+    from .checkpoint import write_error
+    from .errors import ConfigError
+
+    path = Path(text)
+    try:
+        if path.is_dir():
+            raise ConfigError(f"--record {text}: is a folder; --record takes the results FILE to write, e.g. "
+                              f"--record {path / example}")
+        folder = path.parent
+        while not folder.exists():  # results.write creates the missing folders: probe the nearest existing one
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ConfigError(f"--record {text}: {folder} is a file, not a folder; give a FILE in a folder")
+        if path.exists():
+            open(path, "ab").close()  # writable, and left as it is
+        else:
+            tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    return path
+
+
+def _write_record(path, command_line: str, records: list[dict]) -> Path:
+    """``results.write``; where it still fails (the disk filled during the run...), the file's lines
+    are printed on stdout instead, so the measurements are not lost, and WriteError (exit 5) says so."""
+    from .checkpoint import write_error
+
+    try:
+        return results.write(path, command_line, records)
+    except OSError as exc:
+        for record in [results.stamp(command_line), *records]:
+            print(json.dumps(record))
+        sys.stdout.flush()
+        err = write_error(Path(path), exc)
+        raise type(err)(err.errno, f"{err}; nothing is lost: the file's {len(records) + 1} lines (a stamp, then "
+                                   f"the records) are printed on stdout above: save them, or rerun with --record "
+                                   f"FILE in a writable folder") from None
 
 
 def cmd_report(args) -> int:
@@ -463,7 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="fetch datasets or show where they are")
     d.add_argument("action", choices=["fetch", "info"])
-    d.add_argument("name", nargs="?", default="ml-1m", help="fetch: a downloadable dataset (ml-1m, ml-20m)")
+    d.add_argument("name", nargs="?", default="ml-1m",
+                   help="fetch: a download (ml-1m, ml-20m, kuairand-pure, kuairand-1k, kuairand-27k-lengths; "
+                        "grf data info lists their sizes and licences)")
     d.add_argument("--dest", help="target data folder (default: GRF_DATA_DIR or the user cache)")
     d.set_defaults(fn=cmd_data)
 

@@ -16,6 +16,17 @@ class DataError(ValueError):
     """A data file is missing or malformed; the message names the file (and line) and how to fix it."""
 
 
+class DataMissing(DataError):
+    """A registered data file is not under the data folder (``data.paths.dataset_path``).
+
+    ``name`` is the registered file's name, ``label`` its human name and ``how_to_get`` how to get
+    it (a command such as ``grf data fetch ml-1m``, or where to copy it from)."""
+
+    def __init__(self, message: str, name: str = "", label: str = "", how_to_get: str = ""):
+        super().__init__(message)
+        self.name, self.label, self.how_to_get = name, label, how_to_get
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, damaged or does not fit this run; the message names the file."""
 

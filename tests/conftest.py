@@ -23,6 +23,35 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "data(*names): reads these registered data files (tests/data_needs.py): "
+                                       "skipped without them, failed under GRF_REQUIRE_DATA=1")
+
+
+def pytest_runtest_setup(item):
+    from tests.data_needs import data_file
+
+    for mark in item.iter_markers("data"):
+        for name in mark.args:
+            data_file(name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that meets ``DataMissing`` without declaring its data: the data skip, not a failure
+    (tests/data_needs.py), unless the data is required."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is None or report.skipped:
+        return
+    from gr_functional.errors import DataMissing
+    from tests.data_needs import data_required, missing_reason
+
+    if call.excinfo.errisinstance(DataMissing) and not data_required():
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {missing_reason(call.excinfo.value)}")
+
+
 def test_backend_names():
     return [b for b in os.environ.get("GRF_TEST_BACKENDS", "jax,torch").split(",") if b]
 

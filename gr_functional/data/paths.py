@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import DataError
+from ..errors import DataError, DataMissing
 from . import registry
 
 ENV_VAR = "GRF_DATA_DIR"
@@ -69,9 +69,10 @@ def dataset_path(name: str) -> Path:
             return path
     looked = " and ".join(str(p) for p in candidates)
     how = f"{file.how_to_get}, or " if file.how_to_get else ""
-    raise DataError(
+    raise DataMissing(
         f"{file.label} data not found: looked for {looked} (data dir {root}, {_data_dir_origin()}). "
-        f"To get it, {how}set {ENV_VAR} to a folder that holds {file.layout[0]}.")
+        f"To get it, {how}set {ENV_VAR} to a folder that holds {file.layout[0]}.",
+        name=name, label=file.label, how_to_get=file.how_to_get)
 
 
 def dataset_label(name: str, path: str | Path | None = None) -> str:

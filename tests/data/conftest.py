@@ -1,27 +1,25 @@
 """Fixtures for the data-pipeline tests.
 
-Tests that need real data read ``GRF_DATA_DIR`` (default ``<repo>/../shared/data``) and FAIL when it
-is missing: the data is part of the test environment (CI sets GRF_DATA_DIR), never a reason to skip.
+Tests that need real data get it through these fixtures (or ``tests/data_needs.py``): the data folder
+is ``GRF_DATA_DIR`` (default ``<repo>/../shared/data``); without the data they skip naming it and
+the command that gets it, and under ``GRF_REQUIRE_DATA=1`` (.ci/run) they fail.
 """
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.data_needs import data_file, data_root as _data_root
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def real_data_dir() -> Path:
-    path = Path(os.environ.get("GRF_DATA_DIR") or REPO.parent / "shared" / "data")
-    if not path.is_dir():
-        pytest.fail(f"data dir {path} not found: set GRF_DATA_DIR to the folder holding movielens-1m/ and "
-                    f"kuairand/ (the team's copy is ../shared/data)")
-    return path
+# The 211-row KuaiRand-1K sample ships with the tests (CC BY-SA 4.0: tests/data/samples/README.md)
+SHIPPED_KUAIRAND_SAMPLE = REPO / "tests" / "data" / "samples" / "kuairand" / "KuaiRand-1K" / "data" / \
+    "log_random_4_22_to_5_08_1k.head_users0-3.csv"
 
 
 @pytest.fixture(scope="session")
 def data_root() -> Path:
-    return real_data_dir()
+    """The data folder holding ML-1M and the KuaiRand files (skip / fail without them)."""
+    return _data_root("ml-1m", "kuairand-27k-lengths", "kuairand-user-features", "kuairand-video-features")
 
 
 @pytest.fixture
@@ -32,11 +30,8 @@ def real_data_env(data_root, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ml1m_path(data_root) -> Path:
-    for rel in ("movielens-1m/ratings.dat", "movielens-1m/reconstructed/ratings_known.dat"):
-        if (data_root / rel).is_file():
-            return data_root / rel
-    pytest.fail(f"no ML-1M ratings under {data_root}/movielens-1m (run `grf data fetch ml-1m` or set GRF_DATA_DIR)")
+def ml1m_path() -> Path:
+    return data_file("ml-1m")
 
 
 @pytest.fixture(scope="session")
@@ -52,16 +47,11 @@ def ml1m(ml1m_inter):
 
 
 @pytest.fixture(scope="session")
-def kuairand_sample_path(data_root) -> Path:
-    path = data_root / "kuairand/KuaiRand-1K/data/log_random_4_22_to_5_08_1k.head_users0-3.csv"
-    if not path.is_file():
-        pytest.fail(f"{path} not found (the 211-row KuaiRand sample); set GRF_DATA_DIR")
-    return path
+def kuairand_sample_path() -> Path:
+    """The 211-row KuaiRand-1K log sample shipped with the tests (the bytes of the team copy, README there)."""
+    return SHIPPED_KUAIRAND_SAMPLE
 
 
 @pytest.fixture(scope="session")
-def lengths_csv(data_root) -> Path:
-    path = data_root / "kuairand/stats_kuairand27k_third_party/log_standard_user_stats_distribution.csv"
-    if not path.is_file():
-        pytest.fail(f"{path} not found (KuaiRand-27K per-user lengths); set GRF_DATA_DIR")
-    return path
+def lengths_csv() -> Path:
+    return data_file("kuairand-27k-lengths")
