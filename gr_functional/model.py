@@ -30,6 +30,7 @@ from .batch import HSTUBatch
 from .config import LossConfig, ModelConfig
 from .errors import ConfigError
 from .registry import Registry
+from .tree import tree_items
 
 
 def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -200,10 +201,38 @@ def model_of(cfg: ModelConfig) -> RetrievalModel:
 
 
 def check_config(cfg) -> list[tuple[str, str, str]]:
-    """``model.name`` must be a registered retrieval model (checked for the retrieval task)."""
-    if cfg.model.task == "retrieval" and cfg.model.name not in MODELS:
+    """``model.name`` must be a registered retrieval model (checked for the retrieval task) whose
+    ``param_shapes`` describe what its ``init_params`` makes (``shape_disagreement``)."""
+    if cfg.model.task != "retrieval":
+        return []
+    if cfg.model.name not in MODELS:
         return [("model", "name", MODELS.unknown_message(cfg.model.name))]
-    return []
+    problem = shape_disagreement(MODELS.get(cfg.model.name), cfg.model)
+    return [("model", "name", problem)] if problem else []
+
+
+_AGREED: set = set()   # (model, config) pairs already checked: the check builds parameters
+
+
+def shape_disagreement(m: RetrievalModel, cfg: ModelConfig) -> str | None:
+    """Why ``m.param_shapes`` does not describe ``m.init_params`` under ``cfg`` (with a 3-item
+    catalogue, so the check costs the dense layers only), or None. Checkpoints are checked
+    against ``param_shapes``: a model whose two functions disagree would train and then find
+    every checkpoint it wrote unreadable, so it is refused before the run starts."""
+    small = dataclasses.replace(cfg, num_items=3)
+    key = (m.name, m.init_params, m.param_shapes, small)
+    if key in _AGREED:
+        return None
+    made = {path: tuple(np.shape(leaf)) for path, leaf in tree_items(m.init_params(small, seed=0))}
+    declared = {path: tuple(shape) for path, shape in m.param_shapes(small, 3).items()}
+    if made == declared:
+        _AGREED.add(key)
+        return None
+    diff = sorted(set(made) ^ set(declared))[:3] or [
+        f"{k}: made {made[k]}, declared {declared[k]}" for k in sorted(made) if made[k] != declared[k]][:3]
+    return (f"the registered model {m.name!r}: its param_shapes do not describe what its init_params makes "
+            f"(first differences: {', '.join(map(str, diff))}); checkpoints are checked against param_shapes, "
+            f"so fix whichever of the two is wrong in the register_model call")
 
 
 def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None,

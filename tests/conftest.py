@@ -52,6 +52,32 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {missing_reason(call.excinfo.value)}")
 
 
+_SKIPPED: list[tuple[str, str]] = []   # (test id, reason) of every skip this session (tests/skips.py)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _SKIPPED.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under ``GRF_EXPECTED_SKIPS`` (.ci/run), the skips must be the expected hardware ones."""
+    from tests.skips import ENV, skip_problems
+
+    expected = os.environ.get(ENV)
+    if not expected or hasattr(session.config, "workerinput"):  # xdist workers: the controller checks
+        return
+    problems = skip_problems(_SKIPPED, expected)
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        write = reporter.write_line if reporter is not None else print
+        write(f"{ENV}={expected}: the skips are not the expected ones:")
+        for line in problems:
+            write(f"  {line}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def test_backend_names():
     return [b for b in os.environ.get("GRF_TEST_BACKENDS", "jax,torch").split(",") if b]
 

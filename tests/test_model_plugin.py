@@ -114,3 +114,24 @@ def test_grf_fit_records_the_script_that_registered_its_model_and_optimizer(tmp_
 
     proc = _fit(_script(tmp_path, guarded=False), tmp_path / "bad", "train.epochs=1")
     assert proc.returncode != 0 and "if __name__ == \"__main__\":" in proc.stderr and "model.name='scaled_hstu'" in proc.stderr
+
+
+def test_a_model_whose_param_shapes_disagree_with_its_init_params_is_refused_before_the_run(tmp_path, capsys):
+    """Round 4 of the fault campaign: such a plugin trained with exit 0, then every checkpoint was
+    "damaged" (a restart from step 0) and grf eval said the file was edited. Now: exit 2 at start,
+    naming the model and the first difference, and nothing written."""
+    from gr_functional.cli import main
+
+    plugin = tmp_path / "bad_shapes.py"
+    plugin.write_text(
+        "import numpy as np\nimport gr_functional as grf\n\n"
+        "def init_params(cfg, seed=0, num_items=None):\n"
+        "    params = grf.model.init_params(cfg, seed=seed, num_items=num_items)\n"
+        "    params['scale'] = np.ones((2,), dtype=np.float32)\n    return params\n\n"
+        "def param_shapes(cfg, num_items=None):\n    return {**grf.model.param_shapes(cfg, num_items), 'scale': (1,)}\n\n"
+        "grf.model.register_model('bad_shapes', grf.model.encode, init_params=init_params, param_shapes=param_shapes)\n")
+    out = tmp_path / "run"
+    assert main(["train", "--plugin", str(plugin), "--set", "model.name=bad_shapes", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "'bad_shapes'" in err and "param_shapes do not describe" in err and "scale: made (2,), declared (1,)" in err
+    assert not out.exists()
