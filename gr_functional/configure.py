@@ -18,6 +18,7 @@ from backends import BACKENDS, ops
 from . import hooks, losses, model, optimizers, task
 from .config import Config, ConfigError, build_config, is_run_record, problem_message, read_values
 from .data import registry as datasets
+from .log import warn
 from .plugins import import_plugins, normalise
 
 
@@ -60,6 +61,28 @@ def check_used(values: dict, cfg: Config, source: str = "<config>", origins: dic
                               f"ignored); remove it, or set model.task to the task it configures")
 
 
+def check_optimizer_keys(values: dict, cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+    """ConfigError for an ``optim.*`` key the user wrote that ``optim.name`` does not read
+    (``optimizers.unread_keys``: ``optim.momentum`` under adamw), naming it and who reads it."""
+    written = values.get("optim")
+    if not isinstance(written, dict):
+        return
+    origins = origins or {}
+    unread = optimizers.registry.unread_keys(cfg.optim.name)
+    for key in written:
+        if key not in unread:
+            continue
+        where = origins.get(("optim", key), source)
+        readers = [n for n, keys in optimizers.registry.READS.items() if key in keys]
+        if ("optim", key) not in origins and ("optim", "name") in origins:
+            # the file's key was for the file's optimizer, which an override replaced: say so, go on
+            warn(f"{where}: optim.{key} is not read by optim.name={cfg.optim.name!r} "
+                 f"({origins[('optim', 'name')]}); it is ignored")
+            continue
+        raise ConfigError(f"{where}: optim.{key}: optim.name={cfg.optim.name!r} does not read it (it would be "
+                          f"ignored); remove it, or choose an optimizer that reads it ({', '.join(readers)})")
+
+
 def resolve(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = False) -> Config:
     """``build_config`` plus the registries' checks: a config a user wrote (``stored``: one a run
     wrote, which lists every key: the unused ones are not refused)."""
@@ -67,6 +90,7 @@ def resolve(values: dict, source: str = "<config>", origins: dict | None = None,
     check_registries(cfg, source, origins)
     if not stored:
         check_used(values, cfg, source, origins)
+        check_optimizer_keys(values, cfg, source, origins)
     return cfg
 
 

@@ -85,6 +85,17 @@ def optax_problem(name: str) -> str | None:
     return None
 
 
+def optax_reads(name: str) -> tuple[str, ...] | None:
+    """The ``OptimConfig`` fields ``optax:NAME`` passes (``CONFIG_KWARGS`` its signature takes);
+    None when optax has no such optimizer (``optax_problem`` says so)."""
+    fn = getattr(optax, name, None)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    return tuple(field for k, field in CONFIG_KWARGS.items() if k in params)
+
+
 def build_optax(B, name: str, cfg, learning_rate) -> GradientTransformation:
     """``optax.NAME(learning_rate=..., **matching)`` with a state ``grf train`` checkpoints
     (``with_dict_state``): the schedule shifted to optax's 0-based count

@@ -43,13 +43,22 @@ OPTIMIZERS: Registry[Callable] = Registry(
 
 # names whose builders return optax transformations (register_optimizer(..., optax=True))
 OPTAX_BUILDERS: set[str] = set()
+# the optim.* keys only some optimizers read; a user's key the chosen one does not read is refused
+OPTIMIZER_KEYS = ("beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov", "initial_accumulator")
+READS: dict[str, tuple[str, ...]] = {}
 
 
-def register_optimizer(name: str, *, replace: bool = False, optax: bool = False):
+def register_optimizer(name: str, *, replace: bool = False, optax: bool = False, reads: tuple | None = None):
     """Decorator: register ``builder(cfg: OptimConfig, learning_rate) -> GradientTransformation``
     as ``name``. A name already taken by another definition is refused (``ValueError``) unless
     ``replace=True``. ``optax=True``: the builder returns an ``optax.GradientTransformation`` (a
-    chain included) and gets optax's learning rate (module docstring); JAX backend only."""
+    chain included) and gets optax's learning rate (module docstring); JAX backend only.
+    ``reads``: which of ``OPTIMIZER_KEYS`` the builder reads; a config that sets another one is
+    refused by name (None: not declared, nothing refused)."""
+    unknown = set(reads or ()) - set(OPTIMIZER_KEYS)
+    if unknown:
+        raise ValueError(f"register_optimizer({name!r}, reads=...): {sorted(unknown)} are not optimizer keys; "
+                         f"the keys some optimizers read: {', '.join(OPTIMIZER_KEYS)}")
     if not isinstance(name, str) or not name or name.startswith(OPTAX_PREFIX):
         raise ValueError(f"optimizer name {name!r}: a non-empty name not starting with {OPTAX_PREFIX!r} "
                          f"(reserved for optax's optimizers)")
@@ -57,6 +66,7 @@ def register_optimizer(name: str, *, replace: bool = False, optax: bool = False)
     def decorate(builder: Callable) -> Callable:
         OPTIMIZERS.add(name, builder, replace=replace)
         (OPTAX_BUILDERS.add if optax else OPTAX_BUILDERS.discard)(name)
+        READS.pop(name, None) if reads is None else READS.__setitem__(name, tuple(reads))
         return builder
 
     return decorate
@@ -86,6 +96,18 @@ def check_config(cfg) -> str | None:
     if name in OPTAX_BUILDERS and backend is not None and backend != "jax":
         return optax_refusal(name, backend)
     return None
+
+
+def unread_keys(name: str) -> set[str]:
+    """The ``OPTIMIZER_KEYS`` that optimizer ``name`` does not read (empty when it did not declare
+    them); for ``"optax:NAME"``, those optax.NAME takes no keyword for."""
+    if name.startswith(OPTAX_PREFIX):
+        from .optax_adapter import optax_reads  # imports optax: only for an optax name
+
+        reads = optax_reads(name[len(OPTAX_PREFIX):])
+    else:
+        reads = READS.get(name)
+    return set() if reads is None else set(OPTIMIZER_KEYS) - set(reads)
 
 
 def optax_refusal(name: str, backend: str) -> str:
@@ -122,24 +144,24 @@ def build(B, optim_cfg) -> GradientTransformation:
 
 
 # ----------------------------------------------------------------------------- shipped
-@register_optimizer("adamw")
+@register_optimizer("adamw", reads=("beta1", "beta2", "eps", "weight_decay"))
 def _adamw(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
     return opt.adamw(learning_rate, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-@register_optimizer("adagrad")
+@register_optimizer("adagrad", reads=("initial_accumulator", "eps", "weight_decay"))
 def _adagrad(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
     return opt.adagrad(learning_rate, initial_accumulator_value=cfg.initial_accumulator, eps=cfg.eps,
                        weight_decay=cfg.weight_decay)
 
 
-@register_optimizer("sgd")
+@register_optimizer("sgd", reads=("momentum", "nesterov", "weight_decay"))
 def _sgd(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
     # momentum 0 is plain SGD (no trace state); with nesterov the trace is kept even at 0
     momentum = cfg.momentum if (cfg.momentum or cfg.nesterov) else None
     return opt.sgd(learning_rate, momentum=momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
 
 
-@register_optimizer("lion")
+@register_optimizer("lion", reads=("beta1", "beta2", "weight_decay"))
 def _lion(cfg: "OptimConfig", learning_rate) -> GradientTransformation:
     return opt.lion(learning_rate, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)

@@ -153,3 +153,15 @@ def test_an_optax_builder_not_declared_as_optax_is_refused_naming_the_fix():
             build(get_backend("jax"), cfg.optim)
     finally:
         OPTIMIZERS.remove("test_undeclared_optax")
+
+
+def test_an_optimizer_key_the_optimizer_does_not_read_is_refused_by_name(capsys):
+    """Round 4: ``optim.momentum`` under adamw was silently ignored. A key given with the optimizer
+    is refused naming who reads it; a file's key for the file's optimizer, which ``--set optim.name``
+    replaced, is a warning."""
+    with pytest.raises(ConfigError, match=r"optim.momentum: optim.name='adamw' does not read it.*\(sgd\)"):
+        tiny_config("optim.momentum=0.5")
+    with pytest.raises(ConfigError, match=r"optim.beta1: optim.name='optax:sgd' does not read it"):
+        tiny_config("optim.name=optax:sgd", "backend.name=jax", "optim.beta1=0.5")
+    assert tiny_config("optim.name=sgd", "optim.momentum=0.5").optim.momentum == 0.5
+    assert "optim.beta1 is not read by optim.name='sgd'" in capsys.readouterr().err
