@@ -32,7 +32,7 @@ import platform
 import shutil
 import sys
 
-from .toolchain import FLAGS, HEADER, compiler_reason
+from .toolchain import FLAGS, HEADER, compiler_reason, note_if_slow
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
 # one build folder per checkout: torch's build.ninja names the source by its absolute path, so two
@@ -249,7 +249,7 @@ def load():
             from torch.utils import cpp_extension
 
             try:
-                with _BuildTurn(cpp_extension):  # never waits on a lock whose owner died
+                with note_if_slow("the fused C++ CPU ops for torch"), _BuildTurn(cpp_extension):  # never waits on a dead owner's lock
                     module = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=FLAGS + _header_flag(),
                                                 extra_ldflags=["-fopenmp"], verbose=False)
             except UnsupportedOnBackend as exc:

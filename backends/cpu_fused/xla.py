@@ -31,7 +31,7 @@ import tempfile
 
 from npu_ops import UnsupportedOnBackend  # no vendor import
 
-from .toolchain import FLAGS, HEADER, compiler_reason
+from .toolchain import FLAGS, HEADER, compiler_reason, note_if_slow
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_ffi.cpp")
 _TARGETS = {"grf_hstu_forward": "GrfHstuForward", "grf_hstu_backward": "GrfHstuBackward",
@@ -120,7 +120,7 @@ def _build(path: str, wait_s: float = _TURN_WAIT_S) -> None:
     written to a temporary name and renamed."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    with open(path + ".lock", "a") as turn:
+    with open(path + ".lock", "a") as turn, note_if_slow("the fused C++ CPU ops for JAX"):
         _take_turn(turn, path + ".lock", wait_s)
         if os.path.exists(path):
             return
