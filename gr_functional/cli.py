@@ -595,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one row per config: mean +- sample std over runs that differ only in train.seed "
                         "(or in determinism, attention kernel/tile, device)")
     r.add_argument("--curve", metavar="METRIC", help="print METRIC at every evaluated epoch, one column per run")
-    r.add_argument("--split", default="test", choices=("test", "valid"), help="split for --curve (default test)")
+    # validation by default: the split a run selects its epoch on (reading test curves to choose is a leak)
+    r.add_argument("--split", default="valid", choices=("test", "valid"), help="split for --curve (default valid)")
     r.add_argument("--json", action="store_true", help="one JSON object per row (per run with --curve)")
     r.add_argument("--record", metavar="FILE", help="also write the JSON rows, stamped with the command, date, commit "
                                                     "and machine, to FILE (e.g. results/quality/ml1m.jsonl)")

@@ -390,7 +390,7 @@ def summary_table(runs: list, metrics=DEFAULT_METRICS, group_seeds: bool = False
     return "\n".join(lines)
 
 
-def curve_table(runs: list, metric: str = "hr@10", split: str = "test") -> str:
+def curve_table(runs: list, metric: str = "hr@10", split: str = "valid") -> str:
     """Markdown: ``metric`` on ``split`` at every epoch any run evaluated, one column per run."""
     check_metrics(runs, [metric])
     epochs = sorted({e["epoch"] for r in runs for e in r.evals})

@@ -70,7 +70,7 @@ def test_running_runs_report_their_best_epoch_so_far(tmp_path):
     assert keys == ["backend.precision"]
     assert rows[0]["status"] == "running, 10/101 epochs" and rows[0]["epoch"] == 9
     assert rows[1]["status"] == "done"
-    curve = report.curve_table(runs, "hr@10").splitlines()
+    curve = report.curve_table(runs, "hr@10", "test").splitlines()
     assert curve[0] == "| epoch | bf16 | fp32 |" and curve[-1] == "| 14 |  | 0.2900 |"
 
 
@@ -129,3 +129,14 @@ def test_keys_the_task_does_not_read_neither_differ_nor_split_seed_groups(tmp_pa
     assert report.differing_keys(runs) == ["train.seed"]
     _, rows = report.summary_rows(runs, ["hr@10"], group_seeds=True)
     assert [r["n"] for r in rows] == [2]
+
+
+def test_the_curve_is_on_validation_by_default(tmp_path, capsys):
+    """Round 4: --curve defaulted to the test split; a run selects its epoch on validation."""
+    from gr_functional.cli import main
+
+    _write_run(tmp_path / "run", evals=[(4, .2, .21), (9, .3, .26)])
+    assert main(["report", str(tmp_path / "run"), "--curve", "hr@10"]) == 0
+    valid = capsys.readouterr().out
+    assert main(["report", str(tmp_path / "run"), "--curve", "hr@10", "--split", "test"]) == 0
+    assert valid != capsys.readouterr().out
