@@ -804,6 +804,11 @@ def _validate_devices(cfg: Config, fail) -> None:
              f"on the JAX mesh (dist.devices={cfg.dist.devices}, dist.nproc={cfg.dist.nproc}) the row exchange is "
              f"fp32 and synchronous; the 16-bit and stale exchanges run on torch ranks (--backend torch --nproc N)")
     ranks = cfg.dist.nproc * max(1, cfg.dist.devices)
+    if cfg.dist.devices > 1 and not cfg.train.max_tokens and ranks > cfg.train.batch_size:
+        # checked before XLA is asked for the devices: --devices 100000 grew past 1.2 GB, silent
+        fail("dist", "devices", f"{ranks} ranks (dist.nproc x dist.devices) share each global batch of "
+                                f"train.batch_size={cfg.train.batch_size} sequences, so some would train nothing; "
+                                f"lower --devices or raise train.batch_size")
     if e.sharding == "row" and e.node_size and ranks % e.node_size:
         fail("embedding", "node_size", f"must divide the ranks, dist.nproc x dist.devices = {ranks}")
 

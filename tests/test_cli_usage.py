@@ -208,3 +208,12 @@ def test_bench_record_writes_the_file_or_the_default(tmp_path, fake_bench, capsy
     assert cli.main(["bench", name, "--record"]) == 0  # default: results/bench/NAME.jsonl
     assert len(results.read(tmp_path / "results" / "bench" / f"{name}.jsonl")[1]) == 3
     capsys.readouterr()
+
+
+def test_more_devices_than_sequences_per_batch_are_refused_before_jax_starts(tmp_path, capsys):
+    """Round 4: `--devices 100000` on CPU printed nothing and grew past 1.2 GB."""
+    from gr_functional.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--backend", "jax", "--devices", "100000", "--out", str(out)]) == 2
+    assert "100000 ranks" in capsys.readouterr().err and not out.exists()
