@@ -118,8 +118,8 @@ def config_path(text: str | Path | None) -> Path | None:
         if packaged.exists():
             return packaged
     names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
-    raise ConfigError(f"--config {text}: no such file, and no packaged config of that name; packaged configs: "
-                      f"{', '.join(names)} (in {PACKAGED_CONFIGS})")
+    raise ConfigError(f"--config {text}: not found (no such file, and no packaged config of that name); packaged "
+                      f"configs: {', '.join(names)} (in {PACKAGED_CONFIGS})")
 
 
 def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:

@@ -1,25 +1,21 @@
 """Load balancing: partitioners against brute force, the epoch planner's contracts (and the
 benchmark's per-batch baselines), cost fitting, and loss normalisation by the global token count."""
 import itertools
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gr_functional import balance as bl
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def real_lengths() -> np.ndarray:
-    """KuaiRand-27K per-user lengths (the real table; missing data is a failure, not a skip)."""
-    root = Path(os.environ.get("GRF_DATA_DIR") or REPO.parent / "shared" / "data")
-    path = root / "kuairand/stats_kuairand27k_third_party/log_standard_user_stats_distribution.csv"
-    if not path.is_file():
-        pytest.fail(f"{path} not found (KuaiRand-27K per-user lengths); set GRF_DATA_DIR")
+    """KuaiRand-27K per-user lengths (the real table: tests/data_needs.py skips or fails without it)."""
     from benchmarks.balance import load_user_lengths
+    from tests.data_needs import data_file
+
+    path = data_file("kuairand-27k-lengths")
     return load_user_lengths(path)
 
 

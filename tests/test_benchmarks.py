@@ -217,6 +217,7 @@ def test_stream_bench_json(capsys):
         assert 0 < r["unique_per_step"] <= r["ids_per_step"] and r["bytes_after"] == r["unique_per_step"] * 64
 
 
+@pytest.mark.data("kuairand-27k-lengths")
 def test_sharded_stream_bench_on_two_ranks():
     """The 0.2B preset's path, shrunk: two gloo ranks, the hash table row-sharded over them and
     full (evicting), all-to-all and all-reduce bytes counted, model FLOPs over the ranks' peak."""

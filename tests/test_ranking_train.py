@@ -14,6 +14,9 @@ from gr_functional.checkpoint import CheckpointDir, read_checkpoint
 from gr_functional.config import ConfigError
 from gr_functional.configure import load_config
 from gr_functional.data.sources.kuairand_ranking import ACTION_BITS, write_gr_processed
+
+# the KuaiRand side features and the 27K lengths (its stream), read by grf train subprocesses
+pytestmark = pytest.mark.data("kuairand-user-features", "kuairand-video-features", "kuairand-27k-lengths")
 from gr_functional.data.sources.kuairand_ranking_synthetic import ACTION_RATES, synthetic_ranking
 from gr_functional.ranking.data import RankingLoader, chronological_split
 from gr_functional.ranking.model import TASKS, init_ranking_params, ranking_param_shapes

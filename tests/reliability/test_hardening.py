@@ -263,7 +263,7 @@ def test_checkpoint_whose_tensors_contradict_its_config_is_a_clear_error(tmp_pat
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "do not match its own config" in err and "item_emb" in err and "Traceback" not in err
+    assert "do not have the shapes its own config gives" in err and "item_emb" in err and "Traceback" not in err
 
 
 def test_newer_checkpoint_of_another_config_is_skipped_not_a_refusal(tmp_path, capsys):
