@@ -287,6 +287,16 @@ class CheckpointDir:
     def last_path(self) -> Path:
         return self.folder / "last.safetensors"
 
+    @property
+    def best_path(self) -> Path:
+        """The checkpoint of the epoch eval.json reports (the best validation epoch): kept however
+        many numbered ones retention deletes, and what ``grf eval --checkpoint OUT`` evaluates."""
+        return self.folder / "best.safetensors"
+
+    def mark_best(self, path: Path) -> None:
+        """Make ``best.safetensors`` the checkpoint ``path`` (a hard link, else an atomic copy)."""
+        self._link(path, self.best_path)
+
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{int(step):08d}.safetensors"
 
@@ -305,7 +315,7 @@ class CheckpointDir:
         """Temp files of writes a killed run never finished (safe to delete: never renamed)."""
         if not self.folder.is_dir():
             return []
-        ours = (".step-", ".manifest.json.", ".last.safetensors.")  # atomic_write_bytes / _link_last names
+        ours = (".step-", ".manifest.json.", ".last.safetensors.", ".best.safetensors.")  # atomic_write_bytes / _link names
         return sorted(p for p in self.folder.iterdir() if p.name.startswith(ours) and p.name.endswith(".tmp"))
 
     def set_aside(self, path: Path) -> Path:
@@ -355,17 +365,20 @@ class CheckpointDir:
         return path
 
     def _link_last(self, path: Path, data: bytes) -> None:
-        tmp = self.folder / f".{self.last_path.name}.link.tmp"
+        self._link(path, self.last_path, data)
+
+    def _link(self, path: Path, target: Path, data: bytes | None = None) -> None:
+        tmp = self.folder / f".{target.name}.link.tmp"
         try:
             if tmp.exists():
                 tmp.unlink()
             os.link(path, tmp)  # a hard link: no copy, and pruning the step file keeps it alive
-            os.replace(tmp, self.last_path)
+            os.replace(tmp, target)
             _fsync_dir(self.folder)
         except OSError:  # filesystems without hard links: write a copy (also atomic)
             if tmp.exists():
                 tmp.unlink()
-            atomic_write_bytes(self.last_path, data)
+            atomic_write_bytes(target, path.read_bytes() if data is None else data)
 
     def _prune(self, newest: int) -> set[str]:
         if self.keep <= 0:
@@ -398,13 +411,29 @@ class CheckpointDir:
 
 
     def clear(self) -> int:
-        """Delete every checkpoint, the index, ``last`` and temp files (``grf train --fresh``);
+        """Delete every checkpoint, the index, ``last``, ``best`` and temp files (``grf train --fresh``);
         returns the number of checkpoint files deleted."""
         n = 0
         for _, p in self.steps():
             p.unlink(missing_ok=True)
             n += 1
         n += int(self.last_path.exists())
-        for p in (self.index_path, self.last_path, *self.stale_temp_files()):
+        for p in (self.index_path, self.last_path, self.best_path, *self.stale_temp_files()):
             p.unlink(missing_ok=True)
         return n
+
+
+def checkpoint_of(path: str | Path) -> Path:
+    """The checkpoint file ``grf eval --checkpoint PATH`` means: a file as it is; a run folder (or
+    its ``checkpoints/``) gives ``best.safetensors``, the epoch its eval.json reports, else
+    ``last.safetensors``. ``CheckpointError`` naming what was looked for when neither exists."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    ckdir = CheckpointDir(folder)
+    for candidate in (ckdir.best_path, ckdir.last_path):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointError(f"{path} is a folder without {ckdir.best_path.name} or {ckdir.last_path.name} (looked in "
+                          f"{folder}); pass a checkpoint file, or a run folder (grf train --out)")

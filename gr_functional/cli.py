@@ -212,16 +212,18 @@ def _last_step_hook(Hook):
 
 
 def cmd_eval(args) -> int:
-    from .checkpoint import atomic_write_bytes
+    from .checkpoint import atomic_write_bytes, checkpoint_of
     from .runner import evaluate_checkpoint
 
     # before the checkpoint is read: a kernel, loss or dataset its config names may be a plugin's
     # that the run did not record in train.plugins (registered by hand, or a renamed file)
     plugins = [normalise(p) for p in args.plugin or []]
     import_plugins(plugins, where=f"--plugin {' --plugin '.join(args.plugin or [])}")
-    result = evaluate_checkpoint(args.checkpoint, args.backend, args.split)
+    ck = checkpoint_of(args.checkpoint)  # a run folder: its best epoch's checkpoint (eval.json's), else last
+    if ck != Path(args.checkpoint):
+        log.say(f"evaluating {ck}")
+    result = evaluate_checkpoint(ck, args.backend, args.split)
     text = json.dumps(result, indent=1)
-    ck = Path(args.checkpoint)
     out = Path(args.out) if args.out else ck.with_name(f"{ck.stem}.eval-{args.split}-{result['backend']}.json")
     atomic_write_bytes(out, (text + "\n").encode())
     print(text)
@@ -533,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train, config=None)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on any backend")
-    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a checkpoint file, or a run folder: its best.safetensors (the epoch eval.json reports), "
+                        "else last.safetensors")
     e.add_argument("--backend", help="backend to evaluate on (default: the one in the checkpoint's config)")
     e.add_argument("--split", default="test", choices=["test", "valid"])
     e.add_argument("--out", help="JSON file for the result (default: beside the checkpoint, "

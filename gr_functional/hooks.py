@@ -21,6 +21,7 @@ from . import errors
 from .config import Config
 from .data.prefetch import PrefetchStats
 from .registry import Registry
+from .report import select_epoch
 
 
 @dataclasses.dataclass
@@ -349,8 +350,18 @@ class EpochTiming(Hook):
 
 
 class EpochCheckpoint(Hook):
+    """The epoch's checkpoint; when the epoch is the best so far by validation ``select_metric``
+    (the one eval.json will report), also ``checkpoints/best.safetensors``, which retention keeps."""
+
+    def __init__(self, ckdir=None, select_metric: str | None = None):
+        self.ckdir, self.select_metric = ckdir, select_metric
+
     def on_epoch_end(self, run: Run, record: dict) -> None:
-        run.save("final" if run.last_epoch else "epoch", record["epoch"])
+        path = run.save("final" if run.last_epoch else "epoch", record["epoch"])
+        if path is None or self.ckdir is None or self.select_metric is None or "valid" not in record:
+            return
+        if select_epoch(run.state.history, self.select_metric) is record:
+            self.ckdir.mark_best(path)
 
 
 class EpochSync(Hook):
@@ -480,10 +491,12 @@ def check_config(cfg: Config) -> list[tuple[str, str, str]]:
     return [("train", "hooks", HOOKS.unknown_message(unknown[0]))] if unknown else []
 
 
-def builtin_hooks(run_cfg: Config, out: Path, is_main: bool, evaluation: Evaluation) -> list[Hook]:
-    """The hooks every run has, in order (the files they write depend on it)."""
+def builtin_hooks(run_cfg: Config, out: Path, is_main: bool, evaluation: Evaluation,
+                  select_metric: str | None = None) -> list[Hook]:
+    """The hooks every run has, in order (the files they write depend on it); ``select_metric``:
+    the task's validation metric that picks the epoch eval.json reports (its checkpoint is kept)."""
     hooks = [Throughput(), StepLog(), BadStepPolicy(), ProgressBar(), IntervalCheckpoint(), evaluation,
-             EpochHistory(), EpochTiming(), EpochCheckpoint(), EpochSync()]
+             EpochHistory(), EpochTiming(), EpochCheckpoint(evaluation.ckdir, select_metric), EpochSync()]
     if run_cfg.train.tensorboard and is_main:
         hooks.append(TensorBoard(out))
     return hooks

@@ -283,7 +283,7 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
               save=save, echo=bar.write if main else (lambda text: None), bar=bar, params=model_state.params,
               opt_state=opt_state, run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
     evaluation = task.evaluation(B, prepared, comm, model_state, ckdir)
-    hooks = [*builtin_hooks(cfg, out, main, evaluation), *mine]
+    hooks = [*builtin_hooks(cfg, out, main, evaluation, task.select_metric), *mine]
 
     run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
 

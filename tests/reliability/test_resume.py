@@ -243,3 +243,25 @@ def test_precision_runs_get_their_own_default_folder(tmp_path, monkeypatch):
     assert main(["train", "--quiet", "--backend", "jax", "--set", "backend.precision=fp16", "--resume"]) == 0
     assert seen == [("runs/quickstart-torch", "auto"), ("runs/quickstart-torch-bf16", "never"),
                     ("runs/quickstart-jax-fp16", "must")]
+
+
+def test_the_selected_epochs_checkpoint_is_kept_and_grf_eval_of_the_folder_reproduces_eval_json(tmp_path, capsys):
+    """Round 4: only the newest checkpoints were kept, so the epoch eval.json reports was gone on long
+    runs and grf eval of `last` did not reproduce it. Now checkpoints/best.safetensors is that
+    epoch's (kept by retention), and `grf eval --checkpoint OUT` evaluates it: eval.json's numbers."""
+    from gr_functional.cli import main
+
+    from .common import TINY, sets
+
+    out = tmp_path / "run"
+    args = ["train", "--config", "quickstart", "--quiet", "--out", str(out)]
+    assert main(args + sets(TINY + ["train.epochs=4", "train.keep_checkpoints=1", "optim.lr=0.05"])) == 0
+    result = json.loads((out / "eval.json").read_text())
+    best = read_checkpoint(out / "checkpoints" / "best.safetensors")
+    assert best.meta["epoch"] == result["epoch"]
+    assert len(CheckpointDir(out / "checkpoints").steps()) == 1
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["epoch"] == result["epoch"]
+    assert all(evaluated[k] == result[k] for k in ("hr@10", "ndcg@10", "hr@50", "mrr"))
