@@ -244,6 +244,9 @@ class TrainConfig:
     max_steps: int = _range(0, ge=0)  # stop after this many steps (0 = no limit)
     eval_every: int = _range(1, ge=1)  # epochs between evaluations
     log_every: int = _range(10, ge=1)  # steps between metrics.jsonl lines
+    # Seconds between the plain progress lines (step, steps/s, tokens/s, loss, ETA) printed when
+    # stderr is not a terminal, where the progress bar does not show (0 = none).
+    progress_every_s: float = _range(60.0, ge=0.0)
     # Checkpoints (docs/guides/reliability.md "Reliability"): one at the end of every epoch and of the run, plus one
     # every checkpoint_every optimizer steps (0 = epoch ends only). Each is an atomic, checksummed
     # OUT/checkpoints/step-NNNNNNNN.safetensors; the newest keep_checkpoints are kept (0 = all).

@@ -267,6 +267,40 @@ class ProgressBar(Hook):
         run.bar.update(1)
 
 
+class ProgressLine(Hook):
+    """Where no progress bar shows (stderr is not a terminal: a run logged to a file, CI), one plain
+    line every ``every_s`` seconds: step of total, steps/s, tokens/s, the loss, the ETA."""
+
+    def __init__(self, total: int, every_s: float = 60.0):
+        self.total, self.every_s = total, every_s
+        self.t0 = self.last = None
+        self.first_step = 0
+
+    def on_step(self, run: Run, step: StepResult) -> None:
+        if not run.bar.disable or self.every_s <= 0:
+            return
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = self.last = now
+            self.first_step = step.step - 1
+            return
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = (step.step - self.first_step) / max(now - self.t0, 1e-9)
+        left = max(self.total - step.step, 0) / max(rate, 1e-9)
+        loss = f", loss {float(step.metrics['loss']):.4f}" if step.finite else ""
+        share = f" ({100 * step.step / self.total:.1f} %)" if self.total else ""
+        run.echo(f"step {step.step:,}/{self.total:,}{share}, epoch {step.epoch}: {rate:.2f} steps/s, "
+                 f"{run.tokens_per_s:,.0f} tokens/s{loss}, ETA {_duration(left)}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
 class IntervalCheckpoint(Hook):
     """A checkpoint every ``train.checkpoint_every`` steps (not on an epoch's last step or the
     run's: the epoch-end / final checkpoint follows there)."""

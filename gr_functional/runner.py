@@ -53,7 +53,8 @@ from .config import validate as config_validate
 from .configure import execution_problems, plugins_in_use, validate
 from .errors import Diverged, DistributedError, PluginError, TrainingAborted  # noqa: F401 (re-exported)
 from .comm import LocalComm
-from .hooks import Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy, user_hooks
+from .hooks import (ProgressLine, Run, StepResult, TensorBoard, bad_step, builtin_hooks, last_healthy,
+                    user_hooks)
 from .log import say, warn
 from .optim import resolve_schedule, run_updates
 from .optimizers import check_config as check_optimizer
@@ -284,6 +285,8 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
               opt_state=opt_state, run_start=time.perf_counter(), batch_build=steps.prefetch_stats)
     evaluation = task.evaluation(B, prepared, comm, model_state, ckdir)
     hooks = [*builtin_hooks(cfg, out, main, evaluation, task.select_metric), *mine]
+    if progress and main:  # a plain line where the bar does not show (a run logged to a file)
+        hooks.append(ProgressLine(total, cfg.train.progress_every_s))
 
     run_epochs(run, hooks, steps, epoch, start, resumed=restored is not None)
 

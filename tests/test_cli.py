@@ -98,3 +98,16 @@ def test_bench_stream_runs_its_own_preset_without_config(capsys):
     assert rc == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["step"] == 1 and row["capacity"] == 262_144 and row["occupancy"] > 0
+
+
+def test_a_run_logged_to_a_file_prints_plain_progress_lines(tmp_path, capsys):
+    """Round 4: with stdout/stderr not a terminal (a log file, CI) a run printed nothing between
+    epochs; now a plain line (step, steps/s, tokens/s, loss, ETA) every train.progress_every_s."""
+    from gr_functional.cli import main
+    from tests.reliability.common import TINY, sets
+
+    out = tmp_path / "run"
+    assert main(["train", "--config", "quickstart", "--out", str(out)]
+                + sets(TINY + ["train.epochs=1", "train.progress_every_s=0.000001"])) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "steps/s" in line]
+    assert lines and all("ETA" in line and line.startswith("step ") for line in lines)
