@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -173,8 +174,7 @@ def cmd_train(args) -> int:
     result = runner.train(cfg, out, progress=not args.quiet, resume=resume, hooks=[_last_step_hook(hooks.Hook)])
     if rank:  # ranks other than 0 write nothing and print nothing
         return 0
-    keys = [k for k in result if k.startswith(("hr@", "ndcg@")) or k == "mrr"]  # eval.ks decides which
-    print(json.dumps({k: round(result[k], 4) for k in keys} | {"epoch": result["epoch"], "out": str(out)}))
+    print(json.dumps(summary_line(result) | {"epoch": result["epoch"], "out": str(out)}))
     return 0
 
 
@@ -209,6 +209,17 @@ def _last_step_hook(Hook):
             _STOPPED.update(step=step.step, epoch=step.epoch)
 
     return LastStep()
+
+
+def summary_line(result: dict) -> dict:
+    """The selected epoch's test metrics of an eval.json ``result``, rounded: retrieval's HR/NDCG@k
+    and MRR (eval.ks decides which), a ranking run's AUCs, GAUCs and NEs; what the last line of
+    ``grf train`` prints."""
+    return {k: round(v, 4) for k, v in result.items()
+            if isinstance(v, float) and k not in _NOT_METRICS and math.isfinite(v)}
+
+
+_NOT_METRICS = {"wall_seconds"}
 
 
 def cmd_eval(args) -> int:

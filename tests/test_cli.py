@@ -111,3 +111,13 @@ def test_a_run_logged_to_a_file_prints_plain_progress_lines(tmp_path, capsys):
                 + sets(TINY + ["train.epochs=1", "train.progress_every_s=0.000001"])) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "steps/s" in line]
     assert lines and all("ETA" in line and line.startswith("step ") for line in lines)
+
+
+def test_the_summary_line_holds_a_ranking_runs_metrics():
+    """Round 4: a ranking run's last stdout line had no metrics (it listed HR/NDCG keys only)."""
+    from gr_functional.cli import summary_line
+
+    ranking = {"is_click/auc": 0.712345, "is_click/gauc": 0.61, "auc": 0.7, "is_like/ne": float("nan"),
+               "epoch": 3, "task": "ranking", "steps": 40, "wall_seconds": 12.5, "last_epoch_test": {"auc": 0.7}}
+    assert summary_line(ranking) == {"is_click/auc": 0.7123, "is_click/gauc": 0.61, "auc": 0.7}
+    assert summary_line({"hr@10": 0.25, "mrr": 0.1, "wall_seconds": 3.0}) == {"hr@10": 0.25, "mrr": 0.1}
