@@ -83,8 +83,9 @@ def test_chronological_split_windows():
         # disjoint windows of 10 below the validation candidates, each after >= 1 history event
         assert ends == list(range(n[u] - 20, 10, -10))[::-1]
     from gr_functional.errors import DataError
-    with pytest.raises(DataError, match="needs 3 x ranking.num_candidates \\+ 1 = 61"):
+    with pytest.raises(DataError, match="needs 3 x ranking.num_candidates \\+ 1 = 61") as short:
         chronological_split(seqs, 20)
+    assert "data.split='temporal'" in str(short.value)  # round 4: it said "drop them", naming no way
 
 
 def test_prefetched_batches_are_the_synchronous_ones():

@@ -132,8 +132,10 @@ def chronological_split(seqs: RankingSequences, num_candidates: int) -> RankingS
         u = int(short[0])
         raise DataError(f"user {int(seqs.users[u])} has {int(lengths[u])} events; the chronological split needs "
                         f"3 x ranking.num_candidates + 1 = {3 * C + 1} (test, validation and one training window "
-                        f"after a history event): {len(short)} user(s) are that short. Lower ranking.num_candidates "
-                        f"or drop them")
+                        f"after a history event): {len(short)} user(s) are that short. Lower ranking.num_candidates, "
+                        f"or set data.split='temporal' (validation and test by time: users of any length; "
+                        f"data.valid_start / data.test_start), or remove those users from the file (no key drops "
+                        f"them)")
     users = np.arange(len(lengths))
     tu, te = [], []
     for u, n in enumerate(lengths):
