@@ -3,6 +3,8 @@ the reference pages are what the code generates (tools/gen_docs.py); ``mkdocs bu
 passes (a broken link or a page missing from the nav fails it); the README's experiment runs."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
@@ -26,6 +28,17 @@ def test_the_generated_reference_pages_are_current():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_docs.py"), "--check"], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_config_key_has_a_description():
+    """Each field of each config section has the text the config page shows for it: ``#`` comment
+    lines right above it in gr_functional/config.py, or a ``#`` comment after it on its line."""
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    missing = [f"{section}.{f.name}" for section, cls in gen_docs.schema.SECTIONS.items()
+               for f in dataclasses.fields(cls) if not gen_docs._field_comments(cls).get(f.name, "").strip()]
+    assert not missing, f"config keys without a description (write a # comment above them): {missing}"
 
 
 def test_the_site_builds_strictly(tmp_path):
