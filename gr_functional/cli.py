@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 
 from . import log, results
-from .plugins import import_plugins, normalise
+from .plugins import import_plugins, normalise, plugin_failure
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torch_npu without CANN breaks torch
 
@@ -717,6 +717,12 @@ def _main(argv: list[str] | None = None) -> int:
         return 4
     except PluginError as exc:  # the user's code failed, not the run: its checkpoints resume
         log.error(f"{who}{exc}")
+        return 6
+    except (Exception, SystemExit) as exc:  # raised inside a plugin's code (its traceback says): as a hook's
+        failure = plugin_failure(exc, resumes=args.command == "train")
+        if failure is None:  # the project's own: its traceback, exit 1 (or the SystemExit's code)
+            raise
+        log.error(f"{who}{failure}")
         return 6
     finally:
         if previous is not None:  # main() called in-process (tests, scripts): their handler back

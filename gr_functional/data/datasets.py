@@ -32,7 +32,12 @@ def resolve_path(spec: registry.DatasetSpec, cfg_path: str) -> Path | None:
     if path.is_dir():
         if not spec.default_file:
             raise DataError(f"data.path={cfg_path!r} is a folder; name the {spec.label} file in it "
-                            f"(data.dataset={spec.name!r})")
+                            f"(data.dataset={spec.name!r}): data.path takes a file")
+        if not (path / spec.default_file).is_file():
+            raise DataError(f"data.path={cfg_path!r} is a folder without {spec.default_file} (the file "
+                            f"data.dataset={spec.name!r} looks for in a folder); data.path takes the {spec.label} "
+                            f"file itself, or a folder holding {spec.default_file}"
+                            f"{f' (or leave it empty to use the {file.name} file under GRF_DATA_DIR)' if file else ''}")
         path = path / spec.default_file
     if not path.is_file():
         fix = (f"leave data.path empty to use the {file.name} file under GRF_DATA_DIR" if file is not None

@@ -572,6 +572,12 @@ def load_csv(path: str | Path, *, sep: str = "", header: bool = True, user: str 
     ``data.csv_*`` keys; string ids are mapped to dense ints as the module docstring says.
     """
     path = Path(path)
+    if path.is_dir():
+        held = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in (
+            ".csv", ".tsv", ".txt", ".dat", *_PARQUET))
+        among = f" (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''})" if held else ""
+        raise DataError(f"{path} is a folder{among}; data.path takes the interactions file itself (CSV/TSV or "
+                        f"Parquet), e.g. --set data.path={path / (held[0] if held else 'events.csv')}")
     if not path.is_file():
         raise DataError(f"{path}: no such file (data.path names your interactions file)")
     if time_unit not in _UNIT_DIVISOR:
