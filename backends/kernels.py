@@ -51,6 +51,7 @@ import dataclasses
 from typing import Any, Callable, Literal
 
 import npu_ops  # no vendor import: its kernels load their vendor code when a factory asks for one
+from gr_functional.errors import UnsupportedOnBackend
 
 from . import cpu_fused, ops
 from .ops import DTYPES, PRECISIONS, Impl
@@ -289,9 +290,9 @@ def _auto_factory(B):
         return _mxrec_factory(B)
     try:
         return _triton_factory(B)
-    except npu_ops.UnsupportedOnBackend as exc:
-        raise npu_ops.UnsupportedOnBackend(f"no HSTU attention kernel for 'auto': mxrec is unavailable "
-                                           f"({reason}); triton: {exc}") from exc
+    except UnsupportedOnBackend as exc:
+        raise UnsupportedOnBackend(f"no HSTU attention kernel for 'auto': mxrec is unavailable "
+                                   f"({reason}); triton: {exc}") from exc
 
 
 # declares what mxrec runs (the kernel it picks where RecSDK is installed); when it falls back to

@@ -18,7 +18,7 @@
 """
 from __future__ import annotations
 
-from npu_ops import UnsupportedOnBackend
+from gr_functional.errors import UnsupportedOnBackend
 
 from . import cpu_fused, ops
 

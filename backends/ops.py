@@ -32,9 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from gr_functional.errors import ConfigError
+from gr_functional.errors import ConfigError, UnsupportedOnBackend
 from gr_functional.registry import Registry, did_you_mean
-from npu_ops import UnsupportedOnBackend  # the error classes only: no vendor import
 
 from .catalog import BackendUnavailable, backend_class
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Callable
 
 from gr_functional.embedding import rowopt
-from npu_ops import UnsupportedOnBackend, fbgemm_tbe
+from gr_functional.errors import UnsupportedOnBackend
+from npu_ops import fbgemm_tbe
 
 from . import ops
 

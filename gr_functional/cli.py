@@ -34,6 +34,9 @@ import threading
 from pathlib import Path
 
 from . import log, results
+from .checkpoint import atomic_write_bytes, checkpoint_of, write_error
+from .errors import ConfigError
+from .registry import did_you_mean
 from .plugins import import_plugins, normalise, plugin_failure
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torch_npu without CANN breaks torch
@@ -41,7 +44,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # see npu_ops: torc
 DEFAULT_CONFIG = "quickstart"
 
 
-from .configure import PACKAGED_CONFIGS, config_path as _config_path  # noqa: E402,F401 (re-exported)
+from .config import PACKAGED_CONFIGS, config_path as _config_path  # noqa: E402,F401 (re-exported)
 
 
 def _load(args):
@@ -223,7 +226,6 @@ _NOT_METRICS = {"wall_seconds"}
 
 
 def cmd_eval(args) -> int:
-    from .checkpoint import atomic_write_bytes, checkpoint_of
     from .runner import evaluate_checkpoint
 
     # before the checkpoint is read: a kernel, loss or dataset its config names may be a plugin's
@@ -243,7 +245,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from .errors import ConfigError
 
     names = _crosscheck_usage(args)  # flag errors: exit 2 before anything is imported, loaded or built
     if args.record:
@@ -284,7 +285,6 @@ def _crosscheck_usage(args) -> list[str]:
     training run or a compile followed by a "divergence" (exit 1)."""
     import math
 
-    from .errors import ConfigError
 
     names = [b.strip() for b in args.backends.split(",")]
     if len(names) != 2 or not all(names):
@@ -364,8 +364,6 @@ def cmd_bench(args) -> int:
     import importlib
     import inspect
 
-    from .errors import ConfigError
-    from .registry import did_you_mean
 
     # usage errors first (exit 2), before the benchmark's module (torch, jax: seconds) is imported
     if args.name not in BENCHMARKS:
@@ -421,7 +419,6 @@ def _bench_params(name: str) -> set[str] | None:
 def _bench_usage(name: str, params: set[str] | None, args) -> None:
     """Refuse (exit 2) the flags benchmark ``name`` does not take (``params``: its ``run()``'s
     parameters; None: unknown, checked once it is imported)."""
-    from .errors import ConfigError
 
     if params is None:
         return
@@ -452,8 +449,6 @@ def _check_record(text: str, example: str) -> Path:
     folder, or a path through a file, is a usage error (ConfigError, exit 2: --record takes a FILE,
     per its help); a folder that cannot be written to is a write failure (WriteError, exit 5, with
     the OS's reason). Nothing is left behind: the probe file is an unnamed temporary one."""
-    from .checkpoint import write_error
-    from .errors import ConfigError
 
     path = Path(text)
     try:
@@ -477,7 +472,6 @@ def _check_record(text: str, example: str) -> Path:
 def _write_record(path, command_line: str, records: list[dict]) -> Path:
     """``results.write``; where it still fails (the disk filled during the run...), the file's lines
     are printed on stdout instead, so the measurements are not lost, and WriteError (exit 5) says so."""
-    from .checkpoint import write_error
 
     try:
         return results.write(path, command_line, records)

@@ -70,6 +70,26 @@ def _check_range(value, bounds: dict, where: str) -> None:
             raise ConfigError(f"{where}: must be {_range_text(bounds)}, got {value!r}")
 
 
+
+PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+
+
+def config_path(text: str | Path | None) -> Path | None:
+    """A config file path, or a bare name from the packaged experiments/configs/ (``"quickstart"``,
+    ``"ml1m_hstu"``); a name that is neither is a ConfigError listing the packaged configs."""
+    if text is None:
+        return None
+    path = Path(text)
+    if path.exists():
+        return path
+    packaged = PACKAGED_CONFIGS / f"{path.stem if path.suffix == '.toml' else text}.toml"
+    if path.suffix != ".toml" or len(path.parts) == 1:
+        if packaged.exists():
+            return packaged
+    names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
+    raise ConfigError(f"--config {text}: not found (no such file, and no packaged config of that name); packaged "
+                      f"configs: {', '.join(names)} (in {PACKAGED_CONFIGS})")
+
 @dataclass(frozen=True)
 class DataConfig:
     # A registered dataset (gr_functional/data/registry.py; checked in validate): "synthetic",

@@ -16,7 +16,8 @@ from typing import Any
 from backends import BACKENDS, ops
 
 from . import hooks, losses, model, optimizers, task
-from .config import Config, ConfigError, build_config, is_run_record, problem_message, read_values
+from .config import (PACKAGED_CONFIGS, Config, ConfigError, build_config, config_path, is_run_record,  # noqa: F401
+                     problem_message, read_values)
 from .data import registry as datasets
 from .log import warn
 from .plugins import import_plugins, normalise
@@ -100,26 +101,6 @@ def validate(cfg: Config, source: str = "<config>") -> None:
     resolve({section.name: {f.name: getattr(getattr(cfg, section.name), f.name)
                             for f in dataclasses.fields(getattr(cfg, section.name))}
              for section in dataclasses.fields(cfg)}, source, stored=True)
-
-
-PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
-
-
-def config_path(text: str | Path | None) -> Path | None:
-    """A config file path, or a bare name from the packaged experiments/configs/ (``"quickstart"``,
-    ``"ml1m_hstu"``); a name that is neither is a ConfigError listing the packaged configs."""
-    if text is None:
-        return None
-    path = Path(text)
-    if path.exists():
-        return path
-    packaged = PACKAGED_CONFIGS / f"{path.stem if path.suffix == '.toml' else text}.toml"
-    if path.suffix != ".toml" or len(path.parts) == 1:
-        if packaged.exists():
-            return packaged
-    names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
-    raise ConfigError(f"--config {text}: not found (no such file, and no packaged config of that name); packaged "
-                      f"configs: {', '.join(names)} (in {PACKAGED_CONFIGS})")
 
 
 def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:

@@ -3,7 +3,8 @@
 Each carries a message naming the file, line or key and the fix; ``grf`` maps the class to its
 exit code (docs/cli.md "Commands"): ConfigError / DataError / CheckpointError / RunLocked 2,
 TrainingAborted / Diverged 3, DistributedError 4, WriteError 5, PluginError 6. Modules raise these; the old
-import paths (``config.ConfigError``, ``data.loaders.DataError``, ...) still work.
+import paths (``config.ConfigError``, ``data.loaders.DataError``, ``npu_ops.UnsupportedOnBackend``, ...)
+still work.
 """
 from __future__ import annotations
 
@@ -77,3 +78,11 @@ class JaggedError(ValueError):
 
 class ReportError(ValueError):
     """A path that is not a run directory, or a run file that cannot be read."""
+
+
+class UnsupportedOnBackend(RuntimeError):
+    """A kernel cannot run this call here: it is not installed or loaded, or a documented
+    shape/dtype limit is violated. The message names the kernel, the limit or missing piece,
+    and where the limit is documented. Callers never fall back silently on this error.
+
+    Here, not in npu_ops, because both backends and npu_ops raise it (npu_ops re-exports it)."""

@@ -74,9 +74,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_functional.time_buckets import TIME_BUCKET_DIVISOR, time_bucket_thresholds  # a leaf, below backends
+
 from . import _triton_compat as compat
 
-TIME_BUCKET_DIVISOR = 0.301  # must equal backends.base.TIME_BUCKET_DIVISOR (checked in the tests)
 _DIVISOR = tl.constexpr(TIME_BUCKET_DIVISOR)  # the kernels' copy (jit globals must be constexpr)
 
 
@@ -379,8 +380,6 @@ _THRESHOLDS: dict[tuple[int, str], torch.Tensor] = {}
 def _thresholds(num_buckets: int, device: torch.device) -> torch.Tensor:
     key = (num_buckets, str(device))
     if key not in _THRESHOLDS:
-        from backends.base import time_bucket_thresholds
-
         _THRESHOLDS[key] = torch.as_tensor(time_bucket_thresholds(num_buckets), device=device)
     return _THRESHOLDS[key]
 

@@ -32,6 +32,8 @@ import platform
 import shutil
 import sys
 
+from gr_functional.errors import UnsupportedOnBackend
+
 from .toolchain import FLAGS, HEADER, compiler_reason, note_if_slow
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hstu_attention.cpp")
@@ -148,8 +150,6 @@ class _BuildTurn:
         import time
         import warnings
 
-        from npu_ops import UnsupportedOnBackend
-
         try:
             import fcntl
 
@@ -239,8 +239,6 @@ def load():
     ``sampled_backward``, ``sampled16_forward``, ``sampled16_backward``, ``pool_lse_forward``,
     ``pool_lse_backward``); ``UnsupportedOnBackend`` with the reason when it cannot be built or
     torch's BLAS is not found. Built (or refused) once per process."""
-    from npu_ops import UnsupportedOnBackend
-
     if "module" in _BUILT:
         return _BUILT["module"]
     if "error" not in _BUILT:
@@ -269,8 +267,6 @@ def available(warn: bool = True, B=None) -> bool:
     """Whether the ops load for backend ``B`` (``ops_for``; the torch extension when None); the
     first failure is reported once as a warning with the reason (callers then run their own
     formulation)."""
-    from npu_ops import UnsupportedOnBackend
-
     front = ops_for(B)
     try:
         front.load()
@@ -489,8 +485,6 @@ attention.recomputes = lambda B, q, layout: True
 def factory(B):
     """The kernel for backend ``B`` (``ops_for``; built now, so a missing compiler is reported at
     start-up)."""
-    from npu_ops import UnsupportedOnBackend
-
     if B.device_kind != "cpu":
         raise UnsupportedOnBackend(f"cpu_fused attention runs on the CPU, not on {B.device_kind!r}")
     front = ops_for(B)

@@ -29,7 +29,7 @@ import shlex
 import subprocess
 import tempfile
 
-from npu_ops import UnsupportedOnBackend  # no vendor import
+from gr_functional.errors import UnsupportedOnBackend
 
 from .toolchain import FLAGS, HEADER, compiler_reason, note_if_slow
 
