@@ -208,6 +208,9 @@ def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B,
                 ev["moved_to"] = str(moved)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.toml", config_to_toml(cfg).encode())
+        for name, text in task.run_files(prepared).items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(out / name, text.encode())
     if restored is not None:
         model_state = task.restore(B, prepared, comm, restored)
         opt_state = restore_opt_state(B, restored.opt_state, cfg)   # fp16's scaler follows the precision

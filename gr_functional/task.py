@@ -99,6 +99,11 @@ class Task:
         """The evaluation hook (``hooks.Evaluation``) of the run."""
         raise NotImplementedError
 
+    def run_files(self, prepared: Prepared) -> dict[str, str]:
+        """``{path under OUT: text}`` the run writes when it starts, beside config.toml (the
+        retrieval task: ``checkpoints/item_ids.tsv``, a CSV's string item ids). Default: none."""
+        return {}
+
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:
         """``{path: shape}`` of the params a checkpoint of this config holds (its file is checked
         against them); ``host_state``: the checkpoint's host tables."""

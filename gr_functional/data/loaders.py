@@ -39,6 +39,8 @@ class Interactions:
                          ``source:first_line + r`` in error messages
       lines[N] int64     line of each row in ``source`` when rows are not consecutive lines (rows
                          filtered out, or records spanning lines), or None (then ``first_line + r``)
+      item_names[K] str  when the file's item ids were strings: the string of item id k + 1 (ids
+                         are the strings' ranks in byte order); None when they were integers
     """
 
     user: np.ndarray
@@ -50,6 +52,7 @@ class Interactions:
     source: str = ""
     first_line: int = 1
     lines: np.ndarray | None = None
+    item_names: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.user)

@@ -28,6 +28,8 @@ class SequenceData:
       source str            file the events came from ("" when generated)
       duplicate_events int  rows that repeat an earlier row's (user, item, time) exactly; they
                             are kept (see ``from_interactions``) and reported by ``describe``
+      item_names[K] str     the file's string item ids (``Interactions.item_names``: raw id k is
+                            ``item_names[k - 1]``), or None when the file's ids were integers
     """
 
     items: np.ndarray
@@ -41,6 +43,7 @@ class SequenceData:
     candidates: np.ndarray | None = None
     source: str = ""
     duplicate_events: int = 0
+    item_names: np.ndarray | None = None
 
     def __post_init__(self):
         offsets = self.offsets
@@ -96,6 +99,16 @@ class SequenceData:
         """``[T] int64`` position of each event inside its user's sequence (0-based)."""
         lengths = self.lengths()
         return np.arange(self.num_events, dtype=np.int64) - np.repeat(self.offsets[:-1], lengths)
+
+    def item_id_table(self) -> list[str] | None:
+        """Lines ``"ID\tRAW"`` of every item id 1..num_items whose raw id the file wrote as a
+        string (``item_names``; through ``raw_item_ids`` when the ids were remapped again), or None
+        when the file's ids were integers: what a run saves so its ids can be read back."""
+        if self.item_names is None:
+            return None
+        raw = np.arange(self.num_items + 1) if self.raw_item_ids is None else self.raw_item_ids
+        return [f"{i}\t{self.item_names[int(raw[i]) - 1]}" for i in range(1, self.num_items + 1)
+                if 1 <= int(raw[i]) <= len(self.item_names)]
 
     def distinct_items(self) -> int:
         """Number of distinct item ids in ``items`` (a bincount: O(T + num_items), no sort)."""
@@ -277,7 +290,7 @@ def from_interactions(inter: Interactions, remap_items: bool, *, name: str | Non
         user_ids=user[starts].astype(np.int64), num_items=int(num_items), name=label,
         ratings=None if inter.rating is None else inter.rating[order].astype(np.float32),
         raw_item_ids=raw_item_ids, candidates=cand, source=inter.source,
-        duplicate_events=count_duplicates(user, times, raw_items))
+        duplicate_events=count_duplicates(user, times, raw_items), item_names=inter.item_names)
 
 
 def shuffle_ties(data: SequenceData, seed: int) -> SequenceData:

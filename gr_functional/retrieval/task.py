@@ -9,6 +9,7 @@ every global batch (``data.batching.RankSplit``) with ``step.make_dist_train_ste
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +51,31 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 _LATEST_SECONDS = 10**11
 
+
+
+ITEM_IDS = "item_ids.tsv"  # beside the checkpoints: "ID<TAB>RAW" of a CSV's string item ids
+
+
+def item_ids_text(table: list[str]) -> str:
+    return "id\traw_id\n" + "".join(line + "\n" for line in table)
+
+
+def check_item_ids(data, saved: Path) -> None:
+    """``DataError`` when ``saved`` (the run's item_ids.tsv) maps an id to another string than
+    ``data`` does now: the file's set of string ids changed since training, so every id the
+    checkpoint's item table rows mean moved (dense ids are ranks among the distinct strings)."""
+    if not saved.is_file():
+        return
+    now = data.item_id_table()
+    then = saved.read_text().splitlines()[1:]
+    if now is not None and now == then:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(then, now or [])) if a != b), min(len(then), len(now or [])))
+    raise DataError(f"{saved}: the run's item ids do not match {data.source or 'the data'} now (line {first + 2}: "
+                    f"saved {then[first] if first < len(then) else 'nothing'!r}, now "
+                    f"{(now or [])[first] if first < len(now or []) else 'nothing'!r}): the file's string ids changed "
+                    f"since training, so the checkpoint's item rows would be read as other items. Evaluate with "
+                    f"the data the run trained on")
 
 
 def check_data(data, splits) -> None:
@@ -177,6 +203,11 @@ class RetrievalTask(Task):
                               view=gathered_view(B, cfg, comm, state.shard))
         return Evaluation(partial(evaluate, host=state.host), splits, data.candidates, scorer, ckdir)
 
+    def run_files(self, prepared: Prepared) -> dict[str, str]:
+        data, _ = prepared.payload
+        table = data.item_id_table()
+        return {} if table is None else {f"checkpoints/{ITEM_IDS}": item_ids_text(table)}
+
     def param_shapes(self, cfg: Config, host_state: dict | None) -> dict:
         expected = model.model_of(cfg.model).param_shapes(cfg.model, table_items(cfg))
         if "shards" in ((host_state or {}).get("embedding") or {}):
@@ -186,6 +217,7 @@ class RetrievalTask(Task):
     def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
         params, host_state = checkpoint.params, checkpoint.host
         data = load_sequences(cfg)
+        check_item_ids(data, Path(checkpoint.path).parent / ITEM_IDS)
         cfg = resolve(cfg, data)
         splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
         host = make_host(cfg)

@@ -457,15 +457,21 @@ def _integer_like(text: np.ndarray) -> np.ndarray:
 
 
 def _ids(col: _Column) -> np.ndarray:
-    """``[N] int64``: integer ids as they are, string ids mapped to dense 1..K (k = rank of the
-    string among the distinct strings, in byte order; a note on stderr says so). A column of
-    integers but for fewer than ``_MALFORMED_SHARE`` of its rows is an error at the first other
-    value (module docstring)."""
+    """``[N] int64`` ids of the column (``_ids_and_names``)."""
+    return _ids_and_names(col)[0]
+
+
+def _ids_and_names(col: _Column) -> tuple[np.ndarray, np.ndarray | None]:
+    """``([N] int64 ids, [K] str names or None)``: integer ids as they are (no names), string ids
+    mapped to dense 1..K (k = rank of the string among the distinct strings, in byte order; a note
+    on stderr says so) with ``names[k - 1]`` the string of id k. A column of integers but for
+    fewer than ``_MALFORMED_SHARE`` of its rows is an error at the first other value (module
+    docstring)."""
     values = col.values
     if values.dtype.kind in "iu":
-        return values.astype(np.int64)
+        return values.astype(np.int64), None
     if values.dtype.kind == "f" and np.isfinite(values).all() and (values == np.floor(values)).all():
-        return values.astype(np.int64)  # Parquet float ids (a pandas int column that once held NaN)
+        return values.astype(np.int64), None  # Parquet float ids (a pandas int column that once held NaN)
     text = col.as_bytes()
     empty = np.flatnonzero(text == b"")
     if empty.size:
@@ -491,7 +497,8 @@ def _ids(col: _Column) -> np.ndarray:
            " (integers stored as text or beyond int64)")
     note(f"{col.path}: the {col.role} ids ({col.describe()}) are read as strings{why}: the "
          f"{len(distinct):,} distinct ids were mapped to dense ints 1..{len(distinct):,} (in byte order)")
-    return dense.astype(np.int64) + 1
+    names = np.array([b.decode("utf-8", errors="backslashreplace") for b in distinct.tolist()], dtype=object)
+    return dense.astype(np.int64) + 1, names
 
 
 def _ratings(col: _Column) -> np.ndarray:
@@ -629,7 +636,7 @@ def _interactions(path: Path, raw: dict, time_unit: str, rating: str, min_rating
                   lines: np.ndarray) -> Interactions:
     """Convert the raw columns, apply the rating filter, build ``Interactions``."""
     user = _ids(raw["user"])
-    item = _ids(raw["item"])
+    item, item_names = _ids_and_names(raw["item"])
     time = _seconds(raw["time"], time_unit)
     ratings = None
     if rating:
@@ -642,7 +649,7 @@ def _interactions(path: Path, raw: dict, time_unit: str, rating: str, min_rating
             user, item, time, values, lines = user[keep], item[keep], time[keep], values[keep], lines[keep]
         ratings = values.astype(np.float32)
     return Interactions(user=user, item=item, time=time, rating=ratings, name=path.name, source=str(path),
-                        first_line=int(lines[0]) if len(lines) else 1, lines=lines)
+                        first_line=int(lines[0]) if len(lines) else 1, lines=lines, item_names=item_names)
 
 
 def _load_parquet(path: Path, *, user: str, item: str, time: str, time_unit: str, rating: str,
@@ -678,7 +685,8 @@ def _load_parquet(path: Path, *, user: str, item: str, time: str, time_unit: str
     rows = np.arange(table.num_rows, dtype=np.int64)
     inter = _interactions(path, raw, time_unit, rating, min_rating, rows)
     # no source: later errors (from_interactions) then say "NAME row R"
-    return Interactions(user=inter.user, item=inter.item, time=inter.time, rating=inter.rating, name=str(path))
+    return Interactions(user=inter.user, item=inter.item, time=inter.time, rating=inter.rating, name=str(path),
+                        item_names=inter.item_names)
 
 
 # ----------------------------------------------------------------------------- registry entry
