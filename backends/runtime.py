@@ -83,6 +83,11 @@ class ArrayRuntime:
         return {}
 
     @classmethod
+    def prepare_launch(cls, cfg) -> None:
+        """What ``grf train --nproc N`` does once, before it starts the ranks: work every rank would
+        otherwise do at once, inside its warm-up limit (building native ops). Default: nothing."""
+
+    @classmethod
     def join(cls, cfg) -> tuple[Any, str | None]:
         """``(collective, device)`` of this process in a data-parallel run of ``cfg`` (more than
         one rank: ``runner.train``): how the backend's ranks meet. Default: it has none."""

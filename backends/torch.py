@@ -14,7 +14,7 @@ import numpy as np
 
 from gr_functional.tree import tree_items, tree_map, tree_map_with_path
 
-from . import dist_torch
+from . import cpu_fused, dist_torch
 from .cpu_fused import eager_under_compile
 from .base import Backend, BackendUnavailable
 
@@ -25,6 +25,16 @@ class TorchBackend(Backend):
     # extension builds, else jagged attention and the row-chunked torch Functions below
     default_ops = {**Backend.default_ops, "attention": "best", "sampled_logits": "best", "shared_logsumexp": "best"}
     multi_process = True  # torchrun's ranks (``join``)
+
+    @classmethod
+    def prepare_launch(cls, cfg) -> None:
+        """Build the fused CPU ops once, in the launcher, when the ranks will use them: N ranks each
+        building them (or waiting on a rebuild after a build was killed mid-compile) outlasted the
+        ranks' warm-up limit. A build that fails is left for the ranks to report."""
+        chosen = {op: getattr(cfg.ops, op, "default") for op in ("attention", "sampled_logits", "shared_logsumexp")}
+        on_cpu = (cfg.backend.device or "cpu").startswith("cpu") and cfg.dist.backend == "gloo"
+        if on_cpu and any(name in ("default", "best", "cpu_fused") for name in chosen.values()):
+            cpu_fused.available(warn=False)
 
     @classmethod
     def join(cls, cfg):

@@ -106,6 +106,7 @@ def _launch(args, cfg, out: Path, nproc: int) -> int:
     # gr_functional.rank runs gr_functional.cli's main and records the rank's exit code
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", "gr_functional.rank", *argv]
+    backend_class(cfg.backend.name).prepare_launch(cfg)  # once here, not in each rank's warm-up
     log.say(f"launching {nproc} ranks: {' '.join(cmd[1:])}")
     dist_torch.reap_exit_dirs()  # temp folders of launchers that were killed
     exit_dir = dist_torch.make_exit_dir()

@@ -217,3 +217,27 @@ def test_more_devices_than_sequences_per_batch_are_refused_before_jax_starts(tmp
     out = tmp_path / "run"
     assert main(["train", "--backend", "jax", "--devices", "100000", "--out", str(out)]) == 2
     assert "100000 ranks" in capsys.readouterr().err and not out.exists()
+
+
+def test_nproc_builds_the_fused_ops_once_before_the_ranks_start(monkeypatch, tmp_path):
+    """Round 3: a `--nproc 2` run after a build was killed mid-compile failed when the ranks'
+    rebuild outlasted their warm-up limit; the launcher now builds them first (Backend.prepare_launch)."""
+    import subprocess
+
+    from backends import cpu_fused
+    from gr_functional.cli import main
+
+    order = []
+    monkeypatch.setattr(cpu_fused, "available", lambda warn=True, B=None: order.append("build") or True)
+
+    class Launched(Exception):
+        pass
+
+    def popen(*args, **kwargs):
+        order.append("ranks")
+        raise Launched
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Launched):
+        main(["train", "--nproc", "2", "--quiet", "--out", str(tmp_path / "run")])
+    assert order == ["build", "ranks"]
