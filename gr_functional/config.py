@@ -87,8 +87,8 @@ def config_path(text: str | Path | None) -> Path | None:
         if packaged.exists():
             return packaged
     names = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.toml"))
-    raise ConfigError(f"--config {text}: not found (no such file, and no packaged config of that name); packaged "
-                      f"configs: {', '.join(names)} (in {PACKAGED_CONFIGS})")
+    raise ConfigError(f"--config {text}: no such file, and no packaged config of that name; packaged configs: "
+                      f"{', '.join(names)} (in {PACKAGED_CONFIGS})")
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -919,6 +919,9 @@ def cutoff_ms(text: str) -> int:
     return int(when.timestamp() * 1000)
 
 
+IDLE_RANKS_BOUND = 8  # ranks per sequence of a global batch beyond which dist.devices is refused
+
+
 def _validate_devices(cfg: Config, fail) -> None:
     """dist.devices > 1, or several JAX processes: the ranks are devices of a JAX mesh
     (backends/dist_jax.py)."""
@@ -936,11 +939,14 @@ def _validate_devices(cfg: Config, fail) -> None:
              f"on the JAX mesh (dist.devices={cfg.dist.devices}, dist.nproc={cfg.dist.nproc}) the row exchange is "
              f"fp32 and synchronous; the 16-bit and stale exchanges run on torch ranks (--backend torch --nproc N)")
     ranks = cfg.dist.nproc * max(1, cfg.dist.devices)
-    if cfg.dist.devices > 1 and not cfg.train.max_tokens and ranks > cfg.train.batch_size:
-        # checked before XLA is asked for the devices: --devices 100000 grew past 1.2 GB, silent
-        fail("dist", "devices", f"{ranks} ranks (dist.nproc x dist.devices) share each global batch of "
-                                f"train.batch_size={cfg.train.batch_size} sequences, so some would train nothing; "
-                                f"lower --devices or raise train.batch_size")
+    idle_bound = IDLE_RANKS_BOUND * cfg.train.batch_size
+    if cfg.dist.devices > 1 and not cfg.train.max_tokens and ranks > idle_bound:
+        # checked before XLA is asked for the devices: --devices 100000 grew past 1.2 GB, silent.
+        # A few idle ranks are fine (a batch smaller than the mesh); thousands are a typo.
+        fail("dist", "devices", f"{ranks} ranks (dist.nproc x dist.devices) for global batches of "
+                                f"train.batch_size={cfg.train.batch_size} sequences: more than {IDLE_RANKS_BOUND} x "
+                                f"the batch, so nearly every rank would train nothing; lower --devices or raise "
+                                f"train.batch_size")
     if e.sharding == "row" and e.node_size and ranks % e.node_size:
         fail("embedding", "node_size", f"must divide the ranks, dist.nproc x dist.devices = {ranks}")
 

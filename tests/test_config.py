@@ -68,7 +68,7 @@ def test_bad_toml_and_missing_file(tmp_path):
     path.write_text("[model\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path)
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="missing.toml: no such file, and no packaged config of that name"):
         load_config(tmp_path / "missing.toml")
 
 

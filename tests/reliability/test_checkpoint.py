@@ -125,3 +125,30 @@ def test_format_1_checkpoints_still_load(tmp_path):
               metadata={"format": "gr-functional/1", "config": config_to_toml(CFG), "meta": json.dumps({"epoch": 1})})
     p2, opt, cfg, meta = load_checkpoint(tmp_path / "old.safetensors")
     assert np.array_equal(p2["item_emb"], params["item_emb"]) and opt is None and meta == {"epoch": 1}
+
+
+def test_the_shape_check_reads_optimizer_states_of_any_layout():
+    """Round 4: every optax checkpoint was called damaged ("opt.optax tensors do not match"): the
+    check compared optax's whole state tree with the parameters. It now compares each
+    parameter-shaped subtree (AdamW's mu, optax's t0.mu, a masked subset) and nothing else."""
+    from types import SimpleNamespace
+
+    from gr_functional.checkpoint import CheckpointError
+    from gr_functional.config import Config
+    from gr_functional.resume import check_param_shapes
+
+    expected = {"item_emb": (5, 4), "blocks.0.w_o": (4, 4)}
+    params = {"item_emb": np.zeros((5, 4)), "blocks": [{"w_o": np.zeros((4, 4))}]}
+
+    def ck(opt):
+        return SimpleNamespace(config=Config(), params=params, opt_state=opt, path="ck")
+
+    optax_state = {"step": np.int32(3), "optax": {"t0": {"count": np.int32(3), "mu": params, "nu": params},
+                                                  "t1": {"mu": {"item_emb": np.zeros((5, 4))}}}}  # masked
+    check_param_shapes(ck(optax_state), expected)
+    check_param_shapes(ck({"step": np.int32(1), "mu": params, "nu": params}), expected)
+    bad = {"step": np.int32(3), "optax": {"t0": {"mu": {**params, "item_emb": np.zeros((5, 3))}}}}
+    with pytest.raises(CheckpointError, match=r"opt.optax.t0.mu tensors do not have the shapes.*item_emb: \(5, 3\)"):
+        check_param_shapes(ck(bad), expected)
+    with pytest.raises(CheckpointError, match="opt.mu tensors"):  # a top-level moment tree is whole
+        check_param_shapes(ck({"step": np.int32(1), "mu": {"item_emb": np.zeros((5, 4))}}), expected)
