@@ -16,6 +16,7 @@ def _lines(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_attention_bench_json(capsys):
     rows = attention.run(json_lines=True, truncations=(64,), token_budget=512, repeats=1)
     printed = _lines(capsys)
@@ -44,6 +45,7 @@ def small_step_config(monkeypatch):
         step.NVIDIA_HSTU, num_items=500, embed_dim=32, num_blocks=1, num_heads=2, dqk=16, dv=16, max_len=32), 2, True))
 
 
+@pytest.mark.slow
 def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     cfg = load_config(None)
     mfu.run(json_lines=True, cfg=cfg, configs=("kuairand_1k", "nvidia_hstu_512"), repeats=1, peak_n=512)
@@ -66,6 +68,7 @@ def test_mfu_and_throughput_bench_json(capsys, small_step_config):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_recompute_bench_json(capsys, small_step_config):
     from benchmarks import recompute
 
@@ -142,6 +145,7 @@ def test_pipeline_bench_json(capsys):
     assert rows[0]["wait_s"] == rows[0]["build_s"] and rows[0]["hidden"] == 0.0  # synchronous: nothing hidden
 
 
+@pytest.mark.slow
 def test_pipeline_sharded_bench_json(capsys):
     """2 gloo ranks with a row-sharded table, every exchange delayed 10 ms, without and with the
     pipelined step: both run and report (timings are not asserted: a shared machine)."""
@@ -217,6 +221,7 @@ def test_stream_bench_json(capsys):
         assert 0 < r["unique_per_step"] <= r["ids_per_step"] and r["bytes_after"] == r["unique_per_step"] * 64
 
 
+@pytest.mark.slow
 @pytest.mark.data("kuairand-27k-lengths")
 def test_sharded_stream_bench_on_two_ranks():
     """The 0.2B preset's path, shrunk: two gloo ranks, the hash table row-sharded over them and
@@ -270,6 +275,7 @@ def test_ranking_flops_count_gr_ranking_mask():
     assert parts["attention"] == 3 * rc.num_layers * 2 * ranking_cells(lengths, targets) * rc.heads * (rc.dqk + rc.dv)
 
 
+@pytest.mark.slow
 def test_ranking_scale_bench_summarises_a_two_rank_run(capsys):
     """The ranking 0.2B preset's path, shrunk: `grf train --nproc 2` on the ranking stream with
     the merged hash table row-sharded and evicting; the row carries tokens/s, MFU, per-rank RSS,
@@ -290,6 +296,7 @@ def test_ranking_scale_bench_summarises_a_two_rank_run(capsys):
     assert row["occupancy"] == 300 and row["evictions"] > 0 and row["imbalance"] >= 0
 
 
+@pytest.mark.slow
 def test_scaling_bench_byte_model_and_projection():
     """The cost model's all-to-all bytes match the ranks' counted ones (timings are not asserted:
     they depend on the machine's load); the projection covers both hardware presets."""
@@ -311,6 +318,7 @@ def test_scaling_bench_byte_model_and_projection():
         assert (r["comm_s"] == 0) == (r["ranks"] == 1) and r["tokens_per_rank"] == scaling.PROJECT_TOKENS
 
 
+@pytest.mark.slow
 def test_device_bench_tiny_records_every_section(tmp_path, capsys):
     """``grf bench device --tiny``: the whole device command (attention kernels, the training step's
     MFU both ways on every backend, the loop's busy fraction) at toy sizes, recorded as a results file."""

@@ -58,6 +58,7 @@ def test_checkpoint_holds_params_and_optimizer_state(trained):
     assert params["item_emb"].shape == opt["mu"]["item_emb"].shape
 
 
+@pytest.mark.slow
 def test_crosscheck_cli(capsys):
     args = ["crosscheck", "--config", "quickstart", "--backends", "jax,torch", "--users", "8"] + _sets(TINY)
     assert main(args) == 0

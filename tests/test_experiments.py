@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from tests.test_cli import TINY
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +31,7 @@ def test_rab_ablation_trains_every_variant_and_tabulates_them(tmp_path, monkeypa
     assert set(summary) == {"pos+time", "pos only", "time only", "none"}
 
 
+@pytest.mark.slow
 def test_bpr_loss_example_runs_on_real_ml1m_batches_on_both_backends(capsys):
     """README "A loss of one's own": the plugin's loss on real ML-1M batches (GRF_DATA_DIR), the
     same value on torch and jax."""

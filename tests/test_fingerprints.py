@@ -14,12 +14,14 @@ fingerprints = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fingerprints)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(fingerprints.SCENARIOS))
 def test_a_recorded_run_is_unchanged(name, tmp_path):
     exact, errors = fingerprints.check(name, "ci", tmp_path)
     assert not errors, f"{name} ({'bytes' if exact else 'values'}):\n" + "\n".join(errors[:30])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(fingerprints.LEGACY))
 def test_a_run_stopped_before_the_change_resumes_to_the_uninterrupted_run(name, tmp_path):
     exact, errors = fingerprints.check_legacy(name, tmp_path)

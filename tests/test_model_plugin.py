@@ -12,11 +12,13 @@ from gr_functional.checkpoint import CheckpointDir, read_checkpoint
 
 from .reliability.common import ROOT, metrics, run_grf, subprocess_env
 from .reliability.test_resume import CKPT, _run_until_fault
+import pytest
 
 PLUGIN = str(ROOT / "experiments" / "hstu_head_model.py")
 MINE = ("model.name=hstu_head", "optim.name=clipped_sgd", "optim.lr=0.05", "train.epochs=2")
 
 
+@pytest.mark.slow
 def test_a_plugin_model_and_optimizer_train_resume_and_evaluate(tmp_path):
     ref = tmp_path / "ref"
     proc = run_grf(ref, *CKPT, *MINE, args=("--plugin", PLUGIN))
@@ -94,6 +96,7 @@ def _fit(script, out, *sets):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_grf_fit_records_the_script_that_registered_its_model_and_optimizer(tmp_path):
     """``grf.fit`` called by a script that registers its own model and optimizer: the script is
     recorded in train.plugins, so ``grf eval`` in a new process and a resume find them again; a

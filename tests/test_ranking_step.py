@@ -159,6 +159,7 @@ def test_the_runner_gives_each_step_one_normaliser():
         assert [float(b.norm_len) for b in group] == [max(own[2 * i:2 * i + 2])] * len(group)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 def test_low_precision_ranking_loss_and_grads_against_fp32(name):
     """bf16 / fp16 (fp32 master weights; fp16's loss scale halved on overflow, as the dynamic
@@ -214,6 +215,7 @@ def fp32_tail(tmp_path_factory):
     return _low_precision_run(tmp_path_factory.mktemp("ranking_fp32") / "run", "fp32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_grf_train_ranking_in_low_precision_with_accumulation(tmp_path, precision, fp32_tail):
     """``grf train`` of the preset with a hash table, ``step.accumulate = 2`` and bf16 / fp16: 5
@@ -224,6 +226,7 @@ def test_grf_train_ranking_in_low_precision_with_accumulation(tmp_path, precisio
     assert abs(tail - fp32_tail) <= 1e-3 * fp32_tail
 
 
+@pytest.mark.slow
 def test_stale_hash_rows_agree_between_torch_and_jax_and_lag_by_k():
     """embedding.staleness = 2 on the ranking model's hash table: three steps on torch and JAX
     agree (losses, dense parameters, rows); the rows step 1 looked up hold the same values after
@@ -258,6 +261,7 @@ def test_stale_hash_rows_agree_between_torch_and_jax_and_lag_by_k():
     assert not np.array_equal(sync[0], sync[1])
 
 
+@pytest.mark.slow
 def test_a_ranking_run_resumes_in_another_precision(tmp_path):
     """fp32 for an epoch, resumed in fp16 (a fresh loss scaler joins the optimizer state), then in
     bf16 (the scaler is dropped): each resume trains on, and only the fp16 steps log a scale."""

@@ -175,6 +175,7 @@ def test_a_pre_period_prefix_is_history_never_a_candidate(tmp_path):
         load_config("experiments/configs/kuairand_rank.toml", ["data.history_prefix=kuairand-pure-before"])
 
 
+@pytest.mark.slow
 def test_the_real_pre_period_prefix_loads():
     """The data folder's KuaiRand-Pure prefix on the real log: most users get up to 50 earlier ids,
     the split's training samples keep their candidates and gain history."""

@@ -106,6 +106,7 @@ def test_param_shapes_without_allocating_tables():
     assert ranking_param_shapes(cfg) == {k: np.shape(v) for k, v in tree_items(init_ranking_params(cfg))}
 
 
+@pytest.mark.slow
 def test_ranking_run_reports_auc_and_gauc_per_task(reference):
     result = json.loads((reference / "eval.json").read_text())
     assert result["task"] == "ranking" and result["selected_by"] == "best valid is_click/auc"
@@ -165,6 +166,7 @@ def _reference_and_resumed(tmp_path, monkeypatch, extra: list) -> tuple:
     return ref, out
 
 
+@pytest.mark.slow
 def test_a_token_budget_run_resumes_bitwise(tmp_path, monkeypatch):
     """grf train with train.max_tokens (a different number of batches per epoch) and
     train.accumulate = 2, SIGKILLed mid-epoch, resumes to the same metrics.jsonl bytes."""
@@ -173,6 +175,7 @@ def test_a_token_budget_run_resumes_bitwise(tmp_path, monkeypatch):
     assert len(steps) > 9 and max(m["tokens"] for m in steps) <= 240
 
 
+@pytest.mark.slow
 def test_sigkilled_ranking_run_resumes_bitwise(reference, tmp_path, monkeypatch):
     from tests.reliability import test_resume
 
@@ -210,6 +213,7 @@ def test_what_ranking_does_not_do_yet_is_refused_by_name(overrides, key):
         load_config(PRESET, TINY + overrides)
 
 
+@pytest.mark.slow
 def test_ranking_steps_agree_between_torch_and_jax():
     """Three training steps of the preset's (tiny) model from the same init and batches, as
     ``grf train`` builds them (JAX's padded to capacities, ``Backend.static_shapes``): the torch
@@ -257,6 +261,7 @@ def test_grf_eval_and_report_read_a_ranking_run(reference):
     assert "is_click/auc" in report.summary_table([run], report.default_metrics([run]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", ["torch", "jax"])
 def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
     """ranking/sparse.py: a batch rewritten to local ids over the step's hash rows, rows holding
@@ -310,6 +315,7 @@ def test_hash_tables_compute_what_the_dense_tables_do(backend_name):
 HASHED = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=150", "embedding.lr=0.001"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [2])
 def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch, staleness):
     """A hash table far below the keys (150 rows for ~235 keys): it fills and evicts (counters in
@@ -326,6 +332,7 @@ def test_hashed_ranking_run_evicts_and_resumes_bitwise(tmp_path, monkeypatch, st
         assert np.array_equal(a, b), k
 
 
+@pytest.mark.slow
 def test_the_27k_ranking_stream_is_real_where_it_can_be():
     """Lengths and per-user click rates are KuaiRand-27K's, context rows the official users'; a
     user's events are a pure function of (seed, user); nothing is materialised."""
@@ -349,6 +356,7 @@ def test_the_27k_ranking_stream_is_real_where_it_can_be():
     assert abs(err.mean()) < 0.01 and np.abs(err).max() < 0.2      # each user's click rate tracks its real one
 
 
+@pytest.mark.slow
 def test_ranking_trains_on_the_27k_stream_with_hash_tables(tmp_path):
     proc = _run(tmp_path / "run", "data.dataset=kuairand-rank-stream", "data.synthetic_users=24",
                 "data.synthetic_max_events=60", "ranking.video_table=40000000", *HASHED[:2],

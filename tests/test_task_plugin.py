@@ -76,6 +76,7 @@ def test_an_unregistered_task_is_refused_by_name():
         load_config(None, ["model.task=rankin"])
 
 
+@pytest.mark.slow
 def test_the_plugin_task_trains_on_jax_as_on_torch(tmp_path):
     """Its batch dataclass is a JAX pytree without registration (backends/jax.py registers the
     dataclasses a step is given): the same losses on both backends to float32 noise."""

@@ -14,6 +14,7 @@ from gr_functional.step import init_opt_state, micro_grads
 from gr_functional.tree import tree_items
 
 
+@pytest.mark.slow
 def test_compiled_loss_and_grads_equal_eager():
     runs = {}
     for comp in ("false", "true"):

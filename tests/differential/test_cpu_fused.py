@@ -44,6 +44,7 @@ def _inputs(case, bias, seed=7):
     return layout, inputs, n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile", [1, 4, 5, MAX_LEN])
 @pytest.mark.parametrize("bias", ["none", "pos", "time", "both"])
 @pytest.mark.parametrize("case", ["mixed", "empty_slots", "maxlen"])
@@ -216,6 +217,7 @@ def test_16bit_sampled_logits_round_exactly_as_the_oracle(precision, monkeypatch
 
 # one row; blocks of 128 with a remainder; more rows than 16 groups' worth; a pool whose partial
 # sums would pass the op's 64 MB over 11 blocks of rows (8 groups in fp32, 4 in float64)
+@pytest.mark.slow
 @pytest.mark.parametrize("T, R, D", [(1, 37, 6), (130, 37, 6), (2100, 37, 6), (1400, 2048, 1024)])
 def test_shared_logsumexp_float64_vs_oracle_and_bitwise_repeatable(T, R, D, monkeypatch):
     """The fused shared-pool logsumexp in float64 against a float64 numpy oracle (logits, mask on
@@ -354,6 +356,7 @@ def _jax_fused(ops):
         pytest.skip(str(exc))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile", [1, 5])
 @pytest.mark.parametrize("bias", ["none", "pos", "time", "both"])
 @pytest.mark.parametrize("case", ["mixed", "empty_slots"])
@@ -436,6 +439,7 @@ def test_best_sampled_logits_leave_wide_negatives_to_the_dense_product(backend_n
         assert rel_err(got, np.einsum("td,trd->tr", user, items[ids])) <= 1e-6
 
 
+@pytest.mark.slow
 def test_jax_without_the_custom_calls_runs_xlas_formulations_and_says_why(monkeypatch):
     """Where the XLA FFI library cannot be built (no compiler, no AVX2), JAX's "best" warns once
     with the reason and runs XLA's own tiles and sampled logits (the same results as "jagged" /

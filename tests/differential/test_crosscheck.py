@@ -52,6 +52,7 @@ def _report(other):
     return crosscheck((get_backend("jax"), other), params, batch, CFG)
 
 
+@pytest.mark.slow
 def test_agreeing_backends_pass():
     report = _report(get_backend("torch"))
     assert report.ok, report.to_table()
@@ -109,6 +110,7 @@ def _crosscheck(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_crosscheck_runs_the_configured_kernel_and_catches_a_wrong_one(tmp_path):
     """Before: crosscheck built both sides with the dtype only, so a wrong kernel selected by
     ops.attention passed "all layers agree"."""
@@ -119,6 +121,7 @@ def test_crosscheck_runs_the_configured_kernel_and_catches_a_wrong_one(tmp_path)
     assert "attention" in proc.stdout
 
 
+@pytest.mark.slow
 def test_crosscheck_refuses_a_device_grf_train_refuses():
     """Before: --set backend.device=cuda on a CPU-only torch passed, where grf train refuses it."""
     import torch
@@ -134,6 +137,7 @@ SMALL = ["--set", "data.synthetic_users=120", "--set", "model.num_blocks=1", "--
          "--set", "model.dqk=8", "--set", "model.dv=8"]
 
 
+@pytest.mark.slow
 def test_crosscheck_steps_and_checkpoint_compare_training_and_a_trained_run(tmp_path):
     """--steps N trains N steps on each side as grf train would: the losses step by step and every
     parameter after the last agree for jax/torch, and a wrong kernel on one side fails (exit 1).

@@ -25,6 +25,7 @@ from gr_functional.tree import tree_items
 
 from ..test_ranking_step import _seqs
 from ..test_ranking_train import PRESET, TINY
+import pytest
 
 CFG = ModelConfig(num_items=50, embed_dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, max_len=12,
                   input_dropout=0.2, linear_dropout=0.2)
@@ -71,6 +72,7 @@ def test_hstu_module_outputs_and_gradients_are_the_functional_models():
     _same_tree(got, dict(tree_items(ref_grads)))
 
 
+@pytest.mark.slow
 def test_ranking_module_holds_the_tree_and_computes_the_functional_logits():
     cfg = load_config(PRESET, TINY + ["backend.name=jax"])
     tree = init_ranking_params(cfg.ranking, seed=0)
@@ -85,6 +87,7 @@ def test_ranking_module_holds_the_tree_and_computes_the_functional_logits():
                                   np.asarray(ranking_logits(B, B.asarray_tree(tree), batch, cfg.ranking)))
 
 
+@pytest.mark.slow
 def test_the_flax_optax_loop_follows_grf_train_on_real_ml1m(tmp_path):
     """The README's example: nnx.Optimizer(optax.adamw) over HSTU on real ML-1M batches gives the
     losses ``grf train --backend jax`` logs for the same steps."""

@@ -50,6 +50,7 @@ def loop_kernel():
     unregister_kernel("loop")
 
 
+@pytest.mark.slow
 def test_a_registered_kernel_is_picked_up_by_the_differential_suite(loop_kernel):
     assert ("torch", "loop") in kernel_pairs()
     B = kernel_backend("torch", "loop")

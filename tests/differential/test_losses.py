@@ -93,6 +93,7 @@ def _oracle(name: str, user, items, batch, precision: str = "fp32", shift=None) 
     return float((nll * w).sum() / max(w.sum(), 1.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind,sampler,precision", CASES)
 def test_loss_matches_numpy_oracle_forward_and_gradients(backend, name, kind, sampler, precision):
     batch = _batch(kind, 16, sampler=sampler)
@@ -239,6 +240,7 @@ def test_sampled_softmax_batches_are_unchanged_by_the_registry():
 TRAJECTORY_CASES = [c for c in CASES if not (c[0] in ("full_softmax", "mixed_pool") and c[3] != "fp32")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind,sampler,precision", TRAJECTORY_CASES)
 def test_training_trajectory_with_each_loss_agrees_across_backends(name, kind, sampler, precision):
     from backends import get_backend

@@ -51,6 +51,7 @@ def on_reference_and_compared(fn):
     return fn(get_backend(REFERENCE_BACKEND)), {name: fn(get_backend(name)) for name in others}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BATCH_CASES))
 def test_block_forward_and_grads(case):
     batch = make_train_batch(case)
@@ -112,6 +113,7 @@ def check_model_kernel(B, case: str) -> None:
 INTERPRETED = {"pallas"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name, kernel, case", [
     pytest.param(*p.values, case, id=f"{p.id}-{case}") for p in kernel_params()
     if tuple(p.values) != (REFERENCE_BACKEND, "reference") for case in BATCH_CASES
@@ -122,6 +124,7 @@ def test_loss_and_every_gradient(backend_name, kernel, case):
     check_model_kernel(kernel_backend(backend_name, kernel), case)
 
 
+@pytest.mark.slow
 def test_padding_does_not_change_the_loss(backend):
     """The same sequences under larger capacities (more padding rows, more empty slots) give the
     same loss: padding belongs to no sequence."""

@@ -71,6 +71,7 @@ def _compare(B, op, inputs):
             assert rel_err(g[key], g_ref[key]) <= GRAD_TOL, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, name", _pairs("sampled_logits"))
 @pytest.mark.parametrize("quantized", [None, "bf16", "fp16"])
 def test_every_sampled_logits_implementation_vs_the_reference(backend, name, quantized):
@@ -84,6 +85,7 @@ def test_every_sampled_logits_implementation_vs_the_reference(backend, name, qua
     _compare(B, op, _loss_inputs(np.random.default_rng(3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, name", _pairs("shared_logsumexp"))
 def test_every_shared_logsumexp_implementation_vs_the_reference(backend, name):
     B = _built(backend, "shared_logsumexp", name)

@@ -39,6 +39,7 @@ def _assert_grads_agree(f, inputs):
                 assert rel_err(got[key], ref[key]) <= GRAD_TOL, (name, key)
 
 
+@pytest.mark.slow
 def test_elementwise_ops_vs_oracle(backend, rng):
     x = rng.standard_normal((7, 5)).astype(np.float32) * 3
     x[2] = 0.0  # zero row: l2_normalize must stay finite
@@ -98,6 +99,7 @@ def test_time_bucket_thresholds_match_float64_log():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_buckets", [1, 2, 16, 128])
 def test_backend_time_buckets_are_the_thresholds_rule(backend, num_buckets):
     """``Backend.time_buckets`` (JAX: a float estimate corrected by comparison) gives exactly the
@@ -115,6 +117,7 @@ def test_backend_time_buckets_are_the_thresholds_rule(backend, num_buckets):
 
 
 # ------------------------------------------------------------------ attention kernels (registry)
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name, kernel", kernel_params())
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -243,6 +246,7 @@ def test_stu_attention_vs_oracle_and_grads(backend, rng, case):
 TILES = [1, 4, 5, 12]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("tile", TILES)
 def test_hstu_attention_tiled_vs_oracle(backend, rng, case, tile):
@@ -256,6 +260,7 @@ def test_hstu_attention_tiled_vs_oracle(backend, rng, case, tile):
     assert rel_err(backend.to_numpy(out), want) <= FWD_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("tile", [1, 5])
 def test_hstu_attention_tiled_grads_vs_padded(rng, case, tile):
@@ -299,6 +304,7 @@ def test_hstu_attention_dispatches_on_kernel_and_plan(rng):
     assert get_backend("torch").jagged_min_work_ratio == 2.0    # CPU crossover (README "Speed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", ["torch", "jax"])
 @pytest.mark.parametrize("n_items", [300, 5000])  # dense (N <= 64 R) and gather formulations
 def test_chunked_sampled_logits_matches_reference_across_chunks(rng, n_items, backend_name):

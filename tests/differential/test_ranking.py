@@ -65,6 +65,7 @@ def _inputs(case, seed=0, group_norm=True):
     return layout, p, x, targets, keep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("group_norm", [True, False])
@@ -79,6 +80,7 @@ def test_stu_layer_vs_oracle(backend, case, dropout, group_norm):
     assert rel_err(backend.to_numpy(out)[:real], want[:real]) <= FWD_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixed", "empty_slots"])
 @pytest.mark.parametrize("group_norm", [True, False])
 def test_stu_layer_gradients(case, group_norm):
@@ -184,6 +186,7 @@ def _tokens(B, a):
     return assemble(B, ctx, items, a["source"])
 
 
+@pytest.mark.slow
 def test_input_tokens_vs_oracle_and_grads(backend):
     from gr_functional.ranking.tokens import assembly_index
 
@@ -262,6 +265,7 @@ def _head_loss(B, a):
     return multitask_loss(B, multitask_logits(B, a["p"]["task"], user, item), a["labels"], a["mask"])
 
 
+@pytest.mark.slow
 def test_heads_and_multitask_loss_vs_oracle_and_grads(backend):
     a = _head_inputs()
     total, per_task = _head_loss(backend, backend.asarray_tree(a))
@@ -363,6 +367,7 @@ def test_a_batch_with_a_count_of_candidates_per_user(sample_seqs):
         make_ranking_batch(sample_seqs, [0, 1], cfg, num_targets=[6, 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_norm", [False, True])
 def test_ranking_model_agrees_across_backends_and_learns(sample_seqs, group_norm):
     """The joined model on the real log sample (with dropout masks): per-task losses and every

@@ -31,6 +31,7 @@ def _loss_and_grads(overrides):
     return B, exp.cfg, (params, opt_state, batch), float(loss), dict(tree_items(B.to_numpy_tree(grads)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name,kernel,compile_", CASES)
 def test_recomputed_attention_equals_kept(backend_name, kernel, compile_):
     base = [f"backend.name={backend_name}", f"ops.attention={kernel}"]

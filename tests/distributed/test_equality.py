@@ -22,6 +22,7 @@ def _train_records(out):
     return [r for r in metrics(out) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_single_process(single_torch, two_ranks):
     out, results = two_ranks
     err, leaf = worst_param_error(final_params(out), final_params(single_torch))
@@ -48,11 +49,13 @@ def test_outputs_written_once_by_rank_0(two_ranks):
     assert [t for t in timing if t["kind"] == "distributed"][0]["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_jax_reference(two_ranks, single_jax):
     err, leaf = worst_param_error(final_params(two_ranks[0]), final_params(single_jax))
     assert err <= PARAM_TOL, f"{leaf}: {err:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_accumulation_with_contiguous_split(tmp_path, dtype):
     """dist.balance = none (equal-count contiguous slices) and train.accumulate = 2: the global
@@ -120,6 +123,7 @@ def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
                                             "loss.name=in_batch", "loss.num_negatives=32"], steps=4)
 
 
+@pytest.mark.slow
 def test_hash_table_two_ranks_equal_single_process(tmp_path):
     """embedding.kind = hash below the catalogue (evictions) with lazy Adam: every rank maps the
     ids of the whole global batch, so the replicated tables take the same rows and updates as one
@@ -169,6 +173,7 @@ def row_sharded(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_row_sharded_table_two_ranks_equal_single_process(row_sharded):
     """embedding.sharding = row: each rank holds the rows it owns and looks up its own ids by
     all-to-all; params, losses, the table (by id) and the evaluation equal one process's."""
@@ -188,6 +193,7 @@ def test_row_sharded_table_two_ranks_equal_single_process(row_sharded):
     assert abs(a["hr@10"] - b["hr@10"]) <= 1e-6 and abs(a["ndcg@10"] - b["ndcg@10"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp_path):
     """A 2-rank row-sharded run stopped at step 3 and resumed on 2 ranks logs what the
     uninterrupted run logs; resumed on 4 ranks instead (re-sharded by id), the same losses to
@@ -218,6 +224,7 @@ def test_row_sharded_resume_is_exact_and_reshards_to_four_ranks(row_sharded, tmp
     assert abs(t["hr@10"] - final["hr@10"]) <= 1e-6 and abs(t["hr@10"] - j["hr@10"]) <= 1e-3
 
 
+@pytest.mark.slow
 def test_row_sharded_on_jax_devices_equals_torch_ranks_and_resumes_across(row_sharded, tmp_path):
     """The same row-sharded run on 2 JAX devices of one process (backends/dist_jax.py MeshTable:
     the owners' rows on the devices, rows and gradients by jax.lax.all_to_all): the 2 torch
@@ -286,6 +293,7 @@ def test_row_sharded_checkpoint_is_not_resumed_by_one_process(row_sharded, tmp_p
     assert file_digests(out) == before
 
 
+@pytest.mark.slow
 def test_row_sharded_prefetched_id_exchange_is_the_synchronous_run(tmp_path):
     """train.prefetch = 2 with a row-sharded table: each step's ids are deduplicated, localised
     and exchanged with their owners (both hops of a hierarchical exchange) on the prefetch
@@ -327,6 +335,7 @@ t._loss = _loss
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,extra", [(1, ["embedding.node_size=1", "embedding.hierarchical=true", "train.accumulate=2",
                                          "embedding.policy=lfu", "embedding.min_count=2"]),
                                      (2, ["loss.num_negatives=8", "train.max_bad_steps=0"])])
@@ -397,6 +406,7 @@ def row_sharded_stale(tmp_path_factory):
     return root, sets
 
 
+@pytest.mark.slow
 def test_row_sharded_staleness_equals_one_process_and_resumes_exactly(row_sharded_stale, tmp_path):
     """embedding.staleness = 2 on a row-sharded table: each owner queues its rows' summed
     gradients and applies them 2 steps late, as the replicated table of one process does (losses,

@@ -140,14 +140,17 @@ def test_killed_rank_stops_every_rank_naming_it(tmp_path):
     check_killed(tmp_path)
 
 
+@pytest.mark.slow
 def test_hung_rank_stops_every_rank_naming_it(tmp_path):
     check_hung(tmp_path)
 
 
+@pytest.mark.slow
 def test_stopped_rank_is_detected_by_its_missing_heartbeat(tmp_path):
     check_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_stopped_store_host_is_detected(tmp_path):
     check_store_host_stopped(tmp_path)
 

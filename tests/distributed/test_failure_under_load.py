@@ -64,6 +64,7 @@ def slow_healthy_run(saturated, tmp_path_factory):
             p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [check_killed, check_hung, check_stopped], ids=["killed", "hung", "stopped"])
 def test_failure_detected_under_load(saturated, slow_healthy_run, scenario, tmp_path):
     scenario(tmp_path)

@@ -48,6 +48,7 @@ def _same_run(got, want, what: str) -> None:
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), f"{what}: step {a['step']}"
 
 
+@pytest.mark.slow
 def test_devices_equal_one_device_and_torch_ranks(tmp_path, single_jax, two_ranks):
     runs = {n: tmp_path / f"devices-{n}" for n in (2, 4)}
     procs = {n: _grf(out, *STEPS, args=["--backend", "jax", "--devices", str(n)]) for n, out in runs.items()}
@@ -70,6 +71,7 @@ def test_devices_equal_one_device_and_torch_ranks(tmp_path, single_jax, two_rank
         assert timed["steps"] == 10 and timed["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_resume_across_device_counts_and_backends(tmp_path, single_jax, single_torch):
     from gr_functional.runner import train
 
@@ -103,6 +105,7 @@ def test_refused_at_once_naming_the_fix(tmp_path, args, sets, env, message):
     assert not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_hash_table_accumulation_and_idle_devices(tmp_path):
     """A hash table (the global step's ids mapped once, the same rows on every device), 2
     micro-batches of 3 sequences per step on 4 devices (a device holds none of a micro-batch: its

@@ -17,6 +17,7 @@ import time
 
 from .common import ROOT, STEPS, final_params, free_port, metrics, subprocess_env, train_command, worst_param_error
 from .test_jax_mesh import _done
+import pytest
 
 JAX = ["--backend", "jax"]
 
@@ -50,6 +51,7 @@ ROW_SHARDED = ["train.max_steps=8", *STEPS[1:], "embedding.kind=hash", "embeddin
                "embedding.capacity=240", "loss.num_negatives=4"]
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_and_the_run_resumes(tmp_path):
     """With the item table row-sharded over the processes' devices (a hash table, lazy Adam)."""
     out, one = tmp_path / "killed", tmp_path / "one-process"

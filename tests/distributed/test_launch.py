@@ -5,8 +5,10 @@ import json
 import subprocess
 
 from .common import ROOT, subprocess_env, train_command
+import pytest
 
 
+@pytest.mark.slow
 def test_nproc_launches_torchrun_and_writes_files_once(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(train_command(out, "train.max_steps=4", "train.epochs=1", args=["--nproc", "2"]), cwd=ROOT,

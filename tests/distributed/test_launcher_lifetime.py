@@ -67,6 +67,7 @@ class _Lines(threading.Thread):
         return "".join(line for _, line in self.lines)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_launched_job_without_torchruns_grace(tmp_path):
     cmd = train_command(tmp_path / "run", "train.epochs=3", f"dist.timeout_s={TIMEOUT_S}", args=["--nproc", "2"])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(**PAUSE), stdout=subprocess.PIPE,
@@ -96,6 +97,7 @@ def test_a_stopped_rank_ends_the_launched_job_without_torchruns_grace(tmp_path):
     assert "rank 1 ended without an exit code" in err.text()
 
 
+@pytest.mark.slow
 @linux_only
 def test_killing_the_launcher_stops_every_rank_and_frees_the_run(tmp_path):
     out = tmp_path / "run"

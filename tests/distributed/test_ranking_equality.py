@@ -74,6 +74,7 @@ def dense_one(tmp_path_factory):
     return _single(tmp_path_factory.mktemp("ranking-dense") / "one", *DENSE)
 
 
+@pytest.mark.slow
 def test_dense_tables_two_ranks_equal_one_process(tmp_path, dense_one):
     """Each rank builds only its samples (dist.balance = kk), with the dropout masks and the
     attention normaliser (the global batch's longest sequence; with accumulation the step's) one
@@ -89,6 +90,7 @@ def test_dense_tables_two_ranks_equal_one_process(tmp_path, dense_one):
     assert all("imbalance" in t for t in timing if t["kind"] == "epoch")
 
 
+@pytest.mark.slow
 def test_replicated_hash_table_in_bf16_on_contiguous_shares_follows_one_process(tmp_path):
     """embedding.kind = hash below the keys the data names (evictions), backend.precision = bf16,
     dist.balance = none (contiguous equal-count shares): every rank maps the keys of the whole
@@ -103,6 +105,7 @@ def test_replicated_hash_table_in_bf16_on_contiguous_shares_follows_one_process(
     assert got[-1]["embedding"]["table"]["evictions"] > 0
 
 
+@pytest.mark.slow
 def test_row_sharded_stale_table_two_ranks_equal_one_process(tmp_path):
     """embedding.sharding = row with embedding.staleness = 1: each rank holds the keys it owns and
     looks up its samples' keys from their owners, updates landing one step late; the dense

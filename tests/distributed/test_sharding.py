@@ -80,6 +80,7 @@ def _reference(kind, world, staleness=0):
     return looked, B.to_numpy(values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, kind, node_size, hierarchical", [
     (2, "hash", 0, False), (4, "hash", 2, True), (4, "dense", 0, False)])
 def test_sharded_table_equals_one_table(launched, world, kind, node_size, hierarchical):
@@ -138,6 +139,7 @@ def test_16_bit_exchange(launched, precision, tol):
     assert low_bytes["rows_intra"] + low_bytes["rows_inter"] < 0.7 * (full_bytes["rows_intra"] + full_bytes["rows_inter"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, kind", [(2, "hash")])  # 4 ranks, dense: run by hand (tests/distributed/sharded_table_reference.py)
 def test_jax_shard_map_reference_agrees(tmp_path, world, kind):
     """backends.dist_jax.make_sharded_table_ops (shard_map + jax.lax.all_to_all over forced host

@@ -47,6 +47,7 @@ def dense_run():
 HASH = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.init=dense"]
 
 
+@pytest.mark.slow
 def test_hash_table_reproduces_the_dense_trajectory_on_ml1m(dense_run):
     exp, (dense, B, dense_params, _) = dense_run
     hexp = grf.prepare("ml1m_hstu", [*SMALL, *HASH, "embedding.capacity=5000"])
@@ -60,6 +61,7 @@ def test_hash_table_reproduces_the_dense_trajectory_on_ml1m(dense_run):
     assert abs(got["hr@10"] - want["hr@10"]) <= 0.01 and abs(got["ndcg@10"] - want["ndcg@10"]) <= 0.01
 
 
+@pytest.mark.slow
 def test_sparse_step_agrees_across_backends_on_ml1m():
     exp = grf.prepare("ml1m_hstu", [*SMALL, *HASH, "embedding.capacity=2000",
                                     "embedding.init=hashed"])
@@ -89,6 +91,7 @@ def test_hash_run_logs_its_table_and_evicts_below_the_catalogue(hash_reference):
     assert json.loads((hash_reference / "eval.json").read_text())["hr@10"] >= 0
 
 
+@pytest.mark.slow
 def test_hash_run_killed_and_resumed_writes_the_same_metrics(hash_reference, tmp_path):
     out = tmp_path / "run"
     _run_until_fault(out, "after-step@7", *HASH_RUN[:3])
@@ -118,6 +121,7 @@ def test_config_refuses_meaningless_embedding_settings(sets, key):
         grf.load_config(None, sets)
 
 
+@pytest.mark.slow
 def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
     """The torch run's step-12 checkpoint (table rows, id map, lazy Adam state) continues on JAX:
     the same table decisions (counters) and losses within the cross-backend tolerance."""
@@ -140,6 +144,7 @@ def test_hash_run_resumes_on_the_other_backend(hash_reference, tmp_path):
         assert got[step]["embedding"] == want[step]["embedding"]
 
 
+@pytest.mark.slow
 def test_ids_without_a_row_do_not_overflow_fp16(tmp_path):
     """A table smaller than a step's ids (overflow: those ids read the zero row): their slots get
     no gradient, so fp16 loss scaling settles as on a dense table instead of skipping every step

@@ -105,6 +105,7 @@ def test_refresh_writes_fresh_rows_now_and_drops_their_pending_updates():
     assert [B.to_numpy(p["rows"]).tolist() for p in pending] == [[3, 0, 0], [0, 6]]
 
 
+@pytest.mark.slow
 def test_staleness_runs_agree_across_backends_through_evictions():
     """A hash table below the catalogue (evictions every step) with k = 1, 3 steps (two stale
     updates applied; JAX compiles each step's shapes anew, so the run is short): torch and JAX."""
@@ -123,6 +124,7 @@ def test_staleness_runs_agree_across_backends_through_evictions():
     assert np.max(np.abs(curves["torch"] - curves["jax"])) <= 1e-4 * np.max(np.abs(curves["torch"]))
 
 
+@pytest.mark.slow
 def test_stale_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path):
     sets = ["embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.capacity=60", "embedding.staleness=2",
             "train.checkpoint_every=3", "train.keep_checkpoints=0", "train.epochs=2"]

@@ -124,6 +124,7 @@ def _assert_matches(got, ref, case):
 
 
 # ------------------------------------------------------------------------------ attention vs reference
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", BIASES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_custom_op_matches_reference(layout, bias):
@@ -131,6 +132,7 @@ def test_custom_op_matches_reference(layout, bias):
     _assert_matches(_run_triton(case, "op"), _reference(case), case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [SMALL_ATOMIC, SMALL_SEPARATE, MIXED_BLOCKS], ids=["atomic", "separate", "mixed"])
 @pytest.mark.parametrize("bias", ["none", "pos+time"])
 def test_autograd_function_multi_tile(config, bias):
@@ -193,6 +195,7 @@ def test_bucket_divisor_matches_reference():
 
 
 # ------------------------------------------------------------------------------ custom op machinery
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", ["none", "pos+time"])
 def test_opcheck(bias):
     case = _case("mixed_empty_slots_at_end", bias)

@@ -63,6 +63,7 @@ def concat_batches(batches: list[HSTUBatch]) -> HSTUBatch:
                      cat("input_keep"), cat("block_keep", axis=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 def test_k_micro_batches_equal_one_big_batch(name):
     B = get_backend(name)

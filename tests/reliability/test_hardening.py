@@ -37,6 +37,7 @@ def _max_abs(tree) -> float:
 
 
 # ----------------------------------------------------------------------------- 1. the guard sees the update
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 @pytest.mark.parametrize("lr,reason", [(float("nan"), "update_finite"), (1e6, "update_ratio")])
 def test_bad_update_is_skipped_although_loss_and_gradients_are_finite(name, lr, reason):
@@ -59,6 +60,7 @@ def test_bad_update_is_skipped_although_loss_and_gradients_are_finite(name, lr, 
             assert np.array_equal(a, b), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 def test_sane_update_ratio_is_small_and_identical_across_backends(name):
     cfg = Config(model=CFG)
@@ -155,6 +157,7 @@ def _paused(out, *extra, fault="after-step@2"):
     pytest.fail(f"never reached the fault point: {proc.stderr.read()[-2000:]}")
 
 
+@pytest.mark.slow
 def test_second_run_on_a_folder_exits_2_and_a_dead_holder_is_taken_over(tmp_path):
     """Before: two runs on one --out both exited 0 with interleaved metrics.jsonl lines."""
     out = tmp_path / "run"
@@ -183,6 +186,7 @@ def test_rejected_run_on_a_new_folder_leaves_nothing(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4. write failures
+@pytest.mark.slow
 def test_file_size_limit_is_a_one_line_error_and_resume_trusts_no_partial_file(tmp_path):
     """Before: SIGXFSZ killed the run (or a raw OSError traceback)."""
     out = tmp_path / "run"

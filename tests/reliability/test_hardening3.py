@@ -162,6 +162,7 @@ def test_the_blame_follows_where_each_value_came_from(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- 4b. SIGTERM
+@pytest.mark.slow
 def test_sigterm_says_where_it_stopped_and_exits_143_and_the_same_command_resumes(tmp_path):
     """Before: SIGTERM ended `grf train` with 143 and no word."""
     out = tmp_path / "run"
@@ -203,6 +204,7 @@ KERNEL_PLUGIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_eval_imports_a_plugin_the_run_did_not_record(tmp_path):
     """Before: a run trained with a kernel registered by a script (not in train.plugins) could not
     be evaluated: `grf eval` had no --plugin and refused the kernel name."""
@@ -234,6 +236,7 @@ def test_eval_imports_a_plugin_the_run_did_not_record(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4e. the learning rate to blame
+@pytest.mark.slow
 def test_an_abort_from_a_large_embedding_lr_names_embedding_lr(tmp_path):
     """Before: a hash table with embedding.lr=1e6 aborted saying `optim.lr=0.001` and "Lower optim.lr"."""
     proc = run_grf(tmp_path / "run", "embedding.kind=hash", "embedding.optimizer=lazy_adam", "embedding.lr=1e6",
@@ -262,6 +265,7 @@ class FailsAtStep4(Hook):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, said", [("raise", "RuntimeError: the hook's own bug"), ("exit", "sys.exit(3)")])
 def test_a_failing_plugin_hook_exits_6_naming_it_and_the_run_resumes(tmp_path, how, said):
     """Before: a plugin hook raising in on_step ended with a traceback and exit 1, and one calling
@@ -280,6 +284,7 @@ def test_a_failing_plugin_hook_exits_6_naming_it_and_the_run_resumes(tmp_path, h
 
 
 # ----------------------------------------------------------------------------- 2. a run folder keeps its history
+@pytest.mark.slow
 def test_a_finished_run_refuses_a_changed_key_and_keeps_its_config(tmp_path):
     """Before: a rerun of a finished run with --set optim.lr=3e-3 trained nothing, exited 0 and left
     config.toml saying lr 3e-3 for a run trained at 1e-3."""
@@ -294,6 +299,7 @@ def test_a_finished_run_refuses_a_changed_key_and_keeps_its_config(tmp_path):
     assert run_grf(out, "train.epochs=2", "train.log_every=2").returncode == 0     # extending it is no change
 
 
+@pytest.mark.slow
 def test_a_resume_with_changed_keys_records_them_with_their_step(tmp_path):
     import json
 

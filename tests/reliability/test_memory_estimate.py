@@ -254,6 +254,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])  # dense-form logits; 16-bit negatives (gathered rows)
 def test_the_estimate_bounds_a_measured_peak(tmp_path, precision):
     """A real quickstart-size run, negatives-heavy: the RSS it adds after the check stays below the

@@ -32,6 +32,7 @@ def adamw_losses(tmp_path_factory) -> list[float]:
     return [r["loss"] for r in metrics(out) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adagrad", "sgd", "lion"])
 def test_an_optimizer_by_name_trains_checkpoints_and_resumes_bitwise(name, tmp_path, adamw_losses):
     sets = (f"optim.name={name}", "optim.lr=0.01", "train.epochs=2")
@@ -50,6 +51,7 @@ def test_an_optimizer_by_name_trains_checkpoints_and_resumes_bitwise(name, tmp_p
     assert losses[1:] != adamw_losses[1:]
 
 
+@pytest.mark.slow
 def test_sgd_on_jax_equals_torch(tmp_path):
     """The same transform on both backends: the same losses to float32 noise."""
     sets = ("optim.name=sgd", "optim.lr=0.05", "train.epochs=1")
@@ -80,6 +82,7 @@ def test_unknown_and_optax_names_are_refused_by_name():
 
 # one optax optimizer is enough here: the state check that rejected them all is generic (its own
 # unit tests: tests/reliability/test_checkpoint.py); their math: tests/differential/test_optimizers.py
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adabelief"])
 def test_an_optax_optimizer_by_name_trains_checkpoints_and_resumes_bitwise_on_jax(name, tmp_path):
     """``optim.name = "optax:NAME"`` on JAX: optax's state (NamedTuples) kept as dicts in the
@@ -108,6 +111,7 @@ def test_an_optax_optimizer_by_name_trains_checkpoints_and_resumes_bitwise_on_ja
     assert main(["eval", "--checkpoint", str(last), "--backend", "jax", "--split", "valid"]) == 0
 
 
+@pytest.mark.slow
 def test_a_registered_optax_chain_under_grf_fit_resumes_evaluates_and_crosschecks(tmp_path):
     """experiments/optax_chain.py (clip + adabelief registered with ``optax=True``, trained by
     ``grf.fit``): killed after step 7 and run again, it resumes from its checkpoint to the

@@ -51,6 +51,7 @@ def fixed_cap_batch(case, seed):
                       negatives=NEGATIVES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 def test_low_precision_loss_and_grads_against_fp32(name):
     B = get_backend(name)
@@ -73,6 +74,7 @@ def test_low_precision_loss_and_grads_against_fp32(name):
             assert tree_cosine(grads, grads32) >= tol["cos"], (case, precision)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["jax", "torch"])
 def test_low_precision_trajectories_track_fp32(name):
     """20 steps over 5 cycled batches: bf16 and fp16 (fixed scale, no skips) train like fp32."""

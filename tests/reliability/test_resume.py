@@ -66,6 +66,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_and_mid_checkpoint_resume_identically(reference, tmp_path):
     out = tmp_path / "run"
     # 5 steps per epoch, checkpoints at steps 3, 5 (epoch end), 6, 9, 10 (epoch end), 12, 15 (final)
@@ -161,6 +162,7 @@ def test_refused_resume_changes_nothing(reference, tmp_path):
     assert not empty.exists()
 
 
+@pytest.mark.slow
 def test_resume_across_backends(reference, tmp_path):
     """torch steps 1-6 -> JAX steps 7-12 -> torch steps 13-15. Checkpoints are numpy, so the state
     moves bit-exactly; the trajectories then agree to the cross-backend tolerance."""
