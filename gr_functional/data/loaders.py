@@ -258,6 +258,8 @@ def _parse_table(path: Path, *, sep: str, names: Sequence[str], int_cols: set[in
 
 def _check_file(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a folder; data.path takes the data file itself (e.g. {path}/FILE.csv)")
     if not path.is_file():
         raise DataError(f"{path}: no such file (see gr_functional.data.paths.dataset_path for the expected layout, "
                         f"or set GRF_DATA_DIR)")

@@ -239,3 +239,11 @@ def test_data_path_naming_a_folder_says_it_is_a_folder(tmp_path, capsys):
                 + sets(TINY + ["data.dataset=csv", f"data.path={folder}"])) == 2
     err = capsys.readouterr().err
     assert "is a folder; name the CSV/TSV file in it" in err and "data.path takes a file" in err, err
+
+
+def test_a_ranking_log_path_naming_a_folder_says_it_is_a_folder(tmp_path):
+    """The ranking logs read through loaders._check_file, which said "no such file" for a folder."""
+    from gr_functional.data.loaders import _check_file
+
+    with pytest.raises(DataError, match="is a folder; data.path takes the data file itself"):
+        _check_file(tmp_path)
