@@ -28,6 +28,7 @@ def pytest_configure(config):
                                        "skipped without them, failed under GRF_REQUIRE_DATA=1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures set up (one may read the data)
 def pytest_runtest_setup(item):
     from tests.data_needs import data_file
 

@@ -275,6 +275,7 @@ def test_ranking_flops_count_gr_ranking_mask():
     assert parts["attention"] == 3 * rc.num_layers * 2 * ranking_cells(lengths, targets) * rc.heads * (rc.dqk + rc.dv)
 
 
+@pytest.mark.data("kuairand-user-features", "kuairand-video-features")
 @pytest.mark.slow
 def test_ranking_scale_bench_summarises_a_two_rank_run(capsys):
     """The ranking 0.2B preset's path, shrunk: `grf train --nproc 2` on the ranking stream with
@@ -296,6 +297,7 @@ def test_ranking_scale_bench_summarises_a_two_rank_run(capsys):
     assert row["occupancy"] == 300 and row["evictions"] > 0 and row["imbalance"] >= 0
 
 
+@pytest.mark.data("kuairand-27k-lengths")
 @pytest.mark.slow
 def test_scaling_bench_byte_model_and_projection():
     """The cost model's all-to-all bytes match the ranks' counted ones (timings are not asserted:
@@ -318,6 +320,7 @@ def test_scaling_bench_byte_model_and_projection():
         assert (r["comm_s"] == 0) == (r["ranks"] == 1) and r["tokens_per_rank"] == scaling.PROJECT_TOKENS
 
 
+@pytest.mark.data("kuairand-user-features", "kuairand-video-features", "kuairand-27k-lengths")
 @pytest.mark.slow
 def test_device_bench_tiny_records_every_section(tmp_path, capsys):
     """``grf bench device --tiny``: the whole device command (attention kernels, the training step's

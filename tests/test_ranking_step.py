@@ -215,6 +215,7 @@ def fp32_tail(tmp_path_factory):
     return _low_precision_run(tmp_path_factory.mktemp("ranking_fp32") / "run", "fp32")
 
 
+@pytest.mark.data("kuairand-user-features", "kuairand-video-features")
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_grf_train_ranking_in_low_precision_with_accumulation(tmp_path, precision, fp32_tail):
@@ -261,6 +262,7 @@ def test_stale_hash_rows_agree_between_torch_and_jax_and_lag_by_k():
     assert not np.array_equal(sync[0], sync[1])
 
 
+@pytest.mark.data("kuairand-user-features", "kuairand-video-features")
 @pytest.mark.slow
 def test_a_ranking_run_resumes_in_another_precision(tmp_path):
     """fp32 for an epoch, resumed in fp16 (a fresh loss scaler joins the optimizer state), then in
