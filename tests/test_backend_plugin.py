@@ -10,6 +10,7 @@ import sys
 
 from .reliability.common import ROOT, metrics, run_grf, subprocess_env
 from .reliability.test_resume import CKPT
+import pytest
 
 PLUGIN = '''
 from backends import register_backend
@@ -28,6 +29,7 @@ register_backend("torch_ref", __name__, "TorchReference")
 '''
 
 
+@pytest.mark.slow
 def test_a_backend_registered_by_a_plugin_trains_and_evaluates(tmp_path):
     plugin = tmp_path / "torch_ref_backend.py"
     plugin.write_text(PLUGIN)

@@ -159,6 +159,7 @@ def test_pipeline_sharded_bench_json(capsys):
         assert r["steps"] == 3 and r["step_s"] > 0 and r["compute_s"] > 0 and r["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_negatives_bench_json(capsys):
     """Every variant runs; GR's recipe is the reference (vs_sampled 1); 16-bit negatives read
     half the bytes plus one scale per sequence (private) or per pool."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from .reliability.common import ROOT, subprocess_env
+import pytest
 
 README = ROOT / "README.md"
 
@@ -41,6 +42,7 @@ def test_every_config_key_has_a_description():
     assert not missing, f"config keys without a description (write a # comment above them): {missing}"
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                           cwd=ROOT, env=subprocess_env(NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .reliability.common import metrics
 from .test_ranking_train import _run
+import pytest
 
 PLUGIN = '''
 from gr_functional.data.registry import DatasetSpec, register_dataset
@@ -23,6 +24,7 @@ register_dataset(DatasetSpec("my-ranking-stream", "My ranking stream", load_smal
 '''
 
 
+@pytest.mark.slow
 def test_a_ranking_dataset_registered_by_a_plugin_trains(tmp_path):
     plugin = tmp_path / "my_ranking_stream.py"
     plugin.write_text(PLUGIN)

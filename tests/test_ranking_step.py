@@ -129,6 +129,7 @@ def test_padded_batches_train_what_exact_ones_do(tables):
         assert rel_err(logits[1][:real], logits[0]) <= 1e-12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_tokens", [0, 800])
 def test_padding_bounds_the_batch_shapes_of_an_epoch(max_tokens):
     """JAX compiles one program per batch shape: over an epoch of loader batches (16 samples of

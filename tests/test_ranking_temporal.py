@@ -95,6 +95,7 @@ def test_recent_history_keeps_the_newest_events_and_the_query_time(recent):
     assert np.allclose(b.cand_feats[:2], time_features(np.full(2, newest * DAY)))
 
 
+@pytest.mark.slow
 def test_a_log_in_parts_or_appended_gives_the_sequences_of_the_whole(tmp_path):
     """data.path as a glob of a log's parts (the earlier period's file first, as the official
     KuaiRand logs come), or a later part appended to an earlier one, reads the per-user

@@ -52,6 +52,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_generator_matches_its_rates_and_is_deterministic():
     seqs = synthetic_ranking(num_users=300, num_items=2000, max_events=200, seed=3)
     again = synthetic_ranking(num_users=300, num_items=2000, max_events=200, seed=3)
@@ -73,6 +74,7 @@ def test_the_generator_matches_its_rates_and_is_deterministic():
     assert all(seqs.context[c].min() >= 1 for c in seqs.context)   # GR's 1-based category codes
 
 
+@pytest.mark.slow
 def test_chronological_split_windows():
     seqs = synthetic_ranking(num_users=5, num_items=100, max_events=60, seed=0)
     splits = chronological_split(seqs, 10)
@@ -194,6 +196,7 @@ def test_sigkilled_ranking_run_resumes_bitwise(reference, tmp_path, monkeypatch)
         assert np.array_equal(a, b), k
 
 
+@pytest.mark.slow
 def test_gr_processed_file_trains(tmp_path):
     path = tmp_path / "processed_seqs.csv"
     write_gr_processed(synthetic_ranking(24, 300, 60, seed=0), path)
@@ -243,6 +246,7 @@ def test_ranking_steps_agree_between_torch_and_jax():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5, err_msg=k)
 
 
+@pytest.mark.slow
 def test_grf_eval_and_report_read_a_ranking_run(reference):
     from gr_functional import report
 

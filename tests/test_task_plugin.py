@@ -37,6 +37,7 @@ def toy_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_plugin_task_trains_with_grf_train(toy_run):
     result = json.loads((toy_run / "eval.json").read_text())
     assert result["selected_by"] == "best valid r2" and result["task"] == "toy_regression"
@@ -47,6 +48,7 @@ def test_a_plugin_task_trains_with_grf_train(toy_run):
     assert [r["epoch"] for r in evals if r["split"] == "test"] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_plugin_task_resumes_bitwise_after_sigkill(toy_run, tmp_path):
     out = tmp_path / "run"
     _run_until_fault(out, "after-step@7", command=[sys.executable, "-m", "gr_functional.cli", *_train_command(out)])

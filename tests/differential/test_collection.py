@@ -90,6 +90,7 @@ def _run(B, merge: bool, ids, dense, weights):
     return float(value), rows, per_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("merge", [True, False])
 def test_merged_lookups_and_gradients_match_the_oracle(backend, merge):
     rng = np.random.default_rng(3)

@@ -198,6 +198,7 @@ def test_popularity_pool_draws_from_popularity_to_the_alpha(alpha):
     np.testing.assert_allclose(uniform_logq, np.log(64 / N_ITEMS), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["uniform", "popularity"])
 def test_mixed_pool_logq_is_each_ids_expected_count(sampler):
     """The mixed pool (in-batch draws, then the sampler's): over many draws each id's mean count

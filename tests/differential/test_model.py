@@ -143,6 +143,7 @@ def test_padding_does_not_change_the_loss(backend):
     assert rel_err(losses[1], losses[0]) <= FWD_TOL
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_same_grads():
     """One AdamW step on identical gradients: torch and JAX give the same parameters. (Gradients
     are compared separately: Adam's first step is ~lr*sign(g), which would amplify grad noise.)"""
@@ -166,6 +167,7 @@ def test_one_optimizer_step_same_grads():
             assert rel_err(got[key], value) <= FWD_TOL, (name, key)
 
 
+@pytest.mark.slow
 def test_50_step_trajectory():
     """50 training steps (dropout on, masks as data) over 5 cycled batches: loss curves agree."""
     cfg = Config(model=CFG, optim=OptimConfig(lr=1e-3, weight_decay=0.01))

@@ -127,6 +127,7 @@ def _row_cases() -> list:
                 build_config({"embedding": {"kind": "hash", "optimizer": optimizer}})) is None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, name, optimizer", _row_cases())
 def test_every_row_update_implementation_vs_the_reference(backend, name, optimizer):
     from gr_functional.config import OptimConfig

@@ -52,6 +52,7 @@ def test_elementwise_ops_vs_oracle(backend, rng):
     assert rel_err(B.to_numpy(B.hstu_norm_mul(X, X * 2, 1e-6)), 2 * x64 * oracle.layer_norm(x64)) <= FWD_TOL
 
 
+@pytest.mark.slow
 def test_elementwise_ops_grads(rng):
     x = (rng.standard_normal((7, 5)) * 3).astype(np.float32)
     x[2] = 0.0
@@ -216,6 +217,7 @@ def test_sampled_logits_16bit_vs_oracle_and_grads(backend, rng, precision):
                         {"user": user, "items": items, "ids": ids, "scale": scale, "cot": cot})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 def test_stu_attention_vs_oracle_and_grads(backend, rng, case):
     """dlrm_v3's target-aware attention (candidates see the history and themselves, not each

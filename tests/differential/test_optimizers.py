@@ -66,6 +66,7 @@ def _run(B, tx, params, grads):
 
 
 # ----------------------------------------------------------------------------- AdamW == optim.adamw_update, bitwise
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", SCHEDULES.values(), ids=SCHEDULES.keys())
 def test_adamw_is_bitwise_optim_adamw_update(backend, cfg):
     B = backend
@@ -189,6 +190,7 @@ def _optax_run(tx, params, grads):
     return {k: np.asarray(v) for k, v in tree_items(p)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_optimizer_matches_optax_on_jax(case):
     B = get_backend("jax")

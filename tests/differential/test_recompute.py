@@ -91,6 +91,7 @@ print(os.environ.get("XLA_FLAGS", ""))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,want", [
     ("", "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
     ("--xla_cpu_enable_concurrency_optimized_scheduler=true", "--xla_cpu_enable_concurrency_optimized_scheduler=true")])

@@ -79,6 +79,7 @@ def _ours(B, name, table, stream, lr=OPT.lr, resets=None, with_state=False):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", rowopt.ROW_OPTIMIZERS)
 def test_row_optimizers_match_the_float64_oracle(backend, name):
     table = np.random.default_rng(9).standard_normal((N, D)).astype(np.float32)
@@ -146,6 +147,7 @@ def test_untouched_slots_come_back_bit_identical(backend, name):
     assert not np.any(got["values"][touched] == values[touched])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", rowopt.ROW_OPTIMIZERS)
 def test_reset_rows(backend, name):
     """``reset_rows`` zeroes the state of its rows (repeats allowed) and nothing else; a reset row
@@ -171,6 +173,7 @@ def test_reset_rows(backend, name):
     assert all(np.all(backend.to_numpy(x) == 1.0) for x in empty.values())
 
 
+@pytest.mark.slow
 def test_lazy_adam_is_adamw_when_every_row_is_touched(backend):
     """The dense optimizer restricted to the touched rows, with all rows touched: our AdamW and
     torch.optim.AdamW over the whole table."""
@@ -224,6 +227,7 @@ def test_row_state_shapes():
 
 
 # ----------------------------------------------------------------------------- set_rows
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch", "jax", "reference-torch", "reference-jax"])
 def test_set_rows(name):
     """Rows replaced, a repeated row with identical values, other rows kept, an empty rows array."""

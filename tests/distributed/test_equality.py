@@ -83,6 +83,7 @@ def test_accumulation_with_contiguous_split(tmp_path, dtype):
         assert err <= 1e-10, f"{leaf}: {err:.2e}"
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_a_single_process_checkpoint(tmp_path, single_torch):
     """Rank 0 reads OUT/checkpoints and broadcasts the state; with dist.balance = kk the global
     batches are the single-process ones, so 8 single-process steps + 12 on 2 ranks = 20 steps."""
@@ -116,6 +117,7 @@ def _two_ranks_equal_one_process(tmp_path, sets, steps: int):
     return got, want
 
 
+@pytest.mark.slow
 def test_in_batch_loss_two_ranks_equal_single_process(tmp_path):
     """loss.name = in_batch: the shared negatives are drawn from the GLOBAL batch's targets, so
     each rank scores its sequences against the same ones as one process does."""

@@ -136,6 +136,7 @@ def check_torchrun_killed(tmp_path) -> None:
     assert "the 2-rank run failed" in err and "rank 1 ended without an exit code" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_every_rank_naming_it(tmp_path):
     check_killed(tmp_path)
 
@@ -155,5 +156,6 @@ def test_stopped_store_host_is_detected(tmp_path):
     check_store_host_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_torchrun_launch_exits_4_when_a_rank_is_killed(tmp_path):
     check_torchrun_killed(tmp_path)

@@ -89,6 +89,7 @@ def test_resume_across_device_counts_and_backends(tmp_path, single_jax, single_t
     _same_run(from_torch, single_torch, "torch for 8 steps, then 2 JAX devices")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, sets, env, message", [
     (["--backend", "jax", "--devices", "4"], [], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
      "JAX sees 2 cpu device(s)"),

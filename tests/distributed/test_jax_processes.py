@@ -35,6 +35,7 @@ def _by_hand(out, rank: int, port: int, *extra, **env):
                                                MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env))
 
 
+@pytest.mark.slow
 def test_a_coordinator_that_never_answers(tmp_path):
     out = tmp_path / "alone"
     start = time.monotonic()

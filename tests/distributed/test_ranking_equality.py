@@ -133,6 +133,7 @@ def test_row_sharded_stale_table_two_ranks_equal_one_process(tmp_path):
     assert abs(again["is_click/auc"] - final["is_click/auc"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_ranking_checkpoint_resumes_on_two_ranks(tmp_path, dense_one):
     """A one-process checkpoint at step 3 (the end of epoch 0) resumed on 2 ranks logs the losses
     the uninterrupted one-process run logs."""

@@ -73,6 +73,7 @@ def run_idmap_ops(m: IdMap, oracle: dict, ops, nxt: int = 0) -> int:
 OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "delete", "get"]), st.lists(KEYS, max_size=12)), max_size=40)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(OPS, OPS)
 def test_idmap_matches_a_dict_and_survives_save_load(ops, more):

@@ -82,6 +82,7 @@ def hash_reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_hash_run_logs_its_table_and_evicts_below_the_catalogue(hash_reference):
     lines = [m for m in metrics(hash_reference) if m["kind"] == "train"]
     table = lines[-1]["embedding"]["table"]

@@ -151,6 +151,7 @@ def test_probe_device_check(available, count, stage):
         assert probe.ok and "2 NPU device(s)" in probe.reason
 
 
+@pytest.mark.slow
 def test_broken_install_through_the_real_import_machinery(tmp_path):
     """A stand-in torch_npu package whose import fails like a wheel without CANN, plus its
     ``torch.backends`` entry point: without TORCH_DEVICE_BACKEND_AUTOLOAD=0 ``import torch``

@@ -243,6 +243,7 @@ def test_eval_writes_its_result_beside_the_checkpoint(tmp_path, capsys):
     assert json.loads((tmp_path / "v.json").read_text())["split"] == "valid"
 
 
+@pytest.mark.slow
 def test_report_into_a_closed_pipe_prints_no_traceback(tmp_path):
     assert main(_args(tmp_path / "a", "train.epochs=1", "train.max_steps=2")) == 0
     runs = " ".join([str(tmp_path / "a")] * 400)

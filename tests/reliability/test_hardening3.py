@@ -50,6 +50,7 @@ def _extensions_copy(tmp_path) -> tuple[dict, str]:
     return {"TORCH_EXTENSIONS_DIR": str(root)}, str(build)
 
 
+@pytest.mark.slow
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_grf_train(tmp_path):
     """Before: `kill -9` during the first build (or any load) of backends/cpu_fused left torch's
     `lock` in the build folder, and every later torch-CPU `grf train` waited on it forever with no

@@ -64,6 +64,7 @@ def test_sgd_on_jax_equals_torch(tmp_path):
     assert np.allclose(runs["torch"], runs["jax"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_resume_under_another_optimizer_is_refused(tmp_path):
     out = tmp_path / "run"
     assert run_grf(out, *CKPT, "train.epochs=1").returncode == 0

@@ -97,6 +97,7 @@ def test_sigkill_mid_epoch_and_mid_checkpoint_resume_identically(reference, tmp_
     assert events.count("resume") == 2
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_is_skipped_with_a_warning(reference, tmp_path):
     """Truncate the newest checkpoint and corrupt the one before: resume warns naming both and
     continues from the newest valid one, to the same result."""
@@ -118,6 +119,7 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_warning(reference, tmp_path
     assert (out / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_same_seed_same_backend_identical(reference, tmp_path):
     """Two fresh runs (separate processes) with the same seed: identical metrics and parameters."""
     out = tmp_path / "again"
@@ -128,6 +130,7 @@ def test_same_seed_same_backend_identical(reference, tmp_path):
         assert np.array_equal(_final_params(out)[1][key], value), key
 
 
+@pytest.mark.slow
 def test_synchronous_batch_building_is_bitwise_the_prefetched_run(reference, tmp_path):
     """train.prefetch=0 (batches built in the step's thread) vs the default (built ahead on a
     worker thread, which also ran the kill-and-resume test above): the same run, bit for bit."""
