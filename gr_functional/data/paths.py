@@ -8,7 +8,7 @@
 3. ``~/.cache/gr-functional/data`` (where ``grf data fetch`` puts downloads for users).
 
 ``dataset_path(name)`` maps a dataset name to its main file under that folder and raises
-``DataError`` saying where it looked and how to get the data when nothing is there. Layouts,
+``DataMissing`` (a ``DataError``) saying where it looked and how to get the data when nothing is there. Layouts,
 labels and how-to-get texts come from the dataset registry (``registry.py``): each dataset
 declares them in its own module.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import DataError, DataMissing
+from ..errors import DataMissing
 from . import registry
 
 ENV_VAR = "GRF_DATA_DIR"
@@ -52,7 +52,7 @@ def dataset_names() -> tuple[str, ...]:
 
 
 def dataset_path(name: str) -> Path:
-    """Main file of dataset ``name`` under ``data_dir()``; ``DataError`` (where it looked, how to get it) if absent.
+    """Main file of dataset ``name`` under ``data_dir()``; ``DataMissing`` (where it looked, how to get it) if absent.
 
     ``name`` is a registered data file (``dataset_names()``) or a dataset with a default file
     (``gr_functional/data/registry.py``). Shipped: ``ml-1m`` (``movielens-1m/ratings.dat``, else

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..registry import Registry
 from . import optimizers as opt
 from .schedules import from_config
-from .transform import GradientTransformation
+from .transform import GradientTransformation, is_optax
 
 if TYPE_CHECKING:
     from ..config import OptimConfig
@@ -136,7 +136,7 @@ def build(B, optim_cfg) -> GradientTransformation:
 
         return with_dict_state(builder(optim, as_optax_schedule(schedule, B.xp)))
     tx = builder(optim, schedule)
-    if type(tx).__module__.split(".")[0] == "optax":
+    if is_optax(tx):
         raise ConfigError(f"optim.name={name!r}: its builder returned an optax transformation; register it with "
                           f"@register_optimizer({name!r}, optax=True), which keeps optax's state so that runs "
                           f"checkpoint and resume, and passes the learning rate as optax wants it")

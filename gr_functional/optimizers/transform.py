@@ -41,13 +41,18 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple]
 
 
+def is_optax(tx) -> bool:
+    """Is ``tx`` one of optax's objects (a transformation or chain: ``(init, update)`` without ``B``)?"""
+    return type(tx).__module__.split(".")[0] == "optax"
+
+
 def as_transform(tx) -> GradientTransformation:
     """``tx`` as this protocol: ours as it is; an object with ``init``/``update`` of ours' signature
     wrapped. An ``optax.GradientTransformation`` (no backend argument) is refused here, naming
     ``from_optax``: the entry points above this module (``grf.fit``) wrap optax objects themselves."""
     if isinstance(tx, GradientTransformation):
         return tx
-    if type(tx).__module__.split(".")[0] == "optax":
+    if is_optax(tx):
         raise TypeError("an optax transformation: wrap it with gr_functional.optimizers.from_optax(tx) "
                         "(JAX backend only)")
     if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
