@@ -4,6 +4,7 @@ As a plugin of `grf train` (the name goes into config.toml and every checkpoint;
 under another loss is refused):
 
     grf train --config ml1m_hstu --plugin experiments/bpr_loss.py --set loss.name=bpr --out runs/ml1m_bpr
+    grf train ... --set loss.name=bpr --set loss.bpr_margin=0.5     # its own key, checked and recorded
 
 As a script: a look at the new loss on real batches of the config's data, on two backends,
 before training with it (same params, same batches: the losses agree to float rounding):
@@ -13,19 +14,32 @@ before training with it (same params, same batches: the losses agree to float ro
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import gr_functional as grf
 
 
+# The loss's own hyper-parameter is a config key: `--set loss.bpr_margin=0.5` is checked (a number
+# >= 0), recorded in config.toml and every checkpoint, compared on resume and shown by grf report.
+@grf.config.register_keys("loss", when="loss.name=bpr")
+@dataclass(frozen=True)
+class BPRKeys:
+    bpr_margin: float = grf.config.key(0.0, ge=0.0, help="bpr: the positive's logit must beat each negative's by "
+                                                          "this much (0 = plain BPR)")
+
+
 @grf.losses.register("bpr", negatives="sampled")
 def bpr(B, user, items, batch, cfg):
-    """BPR: mean over sampled negatives of -log sigmoid(pos - neg), weighted over positions.
+    """BPR: mean over sampled negatives of -log sigmoid(pos - neg - loss.bpr_margin), weighted
+    over positions.
 
     user[T, D], items[N+1, D] (L2-normalised), batch.targets[T], batch.negatives[T, R] int32."""
     xp = B.xp
     pos = grf.losses.positive_logits(B, user, items, batch.targets, cfg.temperature)     # [T]
     neg = B.sampled_logits(user, items, batch.negatives) / cfg.temperature                # [T, R]
     margin = xp.reshape(pos, (-1, 1)) - neg
+    if cfg.bpr_margin:
+        margin = margin - cfg.bpr_margin
     # -log sigmoid(m) = log(1 + e^-m) = logsumexp([0, -m]): stable for any margin
     per_pair = B.logsumexp(xp.stack([xp.zeros_like(margin), -margin]), axis=0)            # [T, R]
     hit = batch.negatives == xp.reshape(batch.targets, (-1, 1))                           # the target itself

@@ -24,7 +24,7 @@ _LAZY = {"load_config": ("configure", "load_config"), "prepare": ("experiment", 
 # submodules reachable as attributes (grf.losses.register, grf.model.loss_fn) without importing them
 _SUBMODULES = ("losses", "model", "data", "batch", "plugins", "step", "optim", "optimizers", "task", "tree")
 
-__all__ = ["Config", "Experiment", "evaluate_checkpoint", "fit", "load_config", "losses", "model", "prepare",
+__all__ = ["Config", "Experiment", "config", "evaluate_checkpoint", "fit", "load_config", "losses", "model", "prepare",
            "replace"]
 
 

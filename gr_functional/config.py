@@ -9,10 +9,12 @@ and the fix; an unknown key suggests the nearest valid one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import difflib
 import math
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -643,9 +645,178 @@ class Config:
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
 
+    def __post_init__(self):
+        # a section made as its plain class (Config(), a default) gets the keys extensions declared
+        for name in _EXTENDED:
+            body, cls = getattr(self, name), section_class(name)
+            values = _section_values(body)
+            if not {f.name for f in dataclasses.fields(cls)} <= values.keys():
+                known = {f.name for f in dataclasses.fields(cls)}
+                object.__setattr__(self, name, cls(**{k: v for k, v in values.items() if k in known}))
+
 
 # section name -> its dataclass (each field's default_factory is the class itself)
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+# ----------------------------------------------------------------------------- extension keys
+# A plugin's hyper-parameters are config keys of their own, declared with a type, a default, a
+# range and a description, in the section of the thing they configure:
+#
+#     @dataclass(frozen=True)
+#     class FocalKeys:
+#         gamma: float = grf.config.key(2.0, ge=0.0, help="focusing exponent of the focal loss")
+#
+#     grf.config.register_keys("loss", FocalKeys, when="loss.name=focal")
+#
+# Then ``[loss] gamma = 3`` / ``--set loss.gamma=3`` is checked like a built-in key, ``cfg.loss.gamma``
+# reads it, config.toml and every checkpoint record it (so a resume compares it as it compares the
+# section's own keys) and ``grf report`` shows it. The section's class becomes a subclass of the
+# built-in one carrying the declared fields (``section_class``). ``when``: the key=value that selects
+# the code reading them; a user who writes one of them under another choice is refused.
+
+def key(default, *, help: str = "", ge=None, gt=None, le=None, lt=None):
+    """A key of an extension (``register_keys``): its default, its allowed range (numbers) and the
+    description shown with it."""
+    return field(default=default, metadata={"range": {"ge": ge, "gt": gt, "le": le, "lt": lt}, "help": help})
+
+
+@dataclass(frozen=True)
+class ExtensionKeys:
+    """Keys declared by an extension: ``cls`` (a frozen dataclass, every field with a default) added
+    to ``section``; ``when``: ``"section.key=value"`` under which they are read ("" = always)."""
+
+    section: str
+    cls: type
+    when: str = ""
+    hints: dict = field(default_factory=dict, compare=False)  # key -> its type, resolved when registered
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self.cls))
+
+    @property
+    def reader(self) -> tuple[str, str, str] | None:
+        """``(section, key, value)`` of ``when``, or None."""
+        if not self.when:
+            return None
+        path, value = self.when.split("=", 1)
+        section, name = path.split(".", 1)
+        return section, name, value
+
+
+EXTENSION_KEYS: dict[tuple, ExtensionKeys] = {}  # (section, the class's file, its qualified name) -> keys
+_EXTENDED: set[str] = set()        # sections some extension has added keys to (or had: a scoped test)
+_SECTION_CLASSES: dict[tuple, type] = {}
+
+
+def register_keys(section: str, cls: type | None = None, *, when: str = ""):
+    """Declare config keys of an extension (see the block comment above): ``register_keys("loss",
+    FocalKeys, when="loss.name=focal")``, or ``@register_keys("loss", when=...)`` on the class.
+
+    Args:
+      section: the built-in section the keys join ("loss", "model", "train", ...).
+      cls: a frozen dataclass; each field typed (bool, int, float, str, a ``Literal``, a tuple of
+        one of them) with a default (``key(default, ge=..., help=...)``). A ``__post_init__`` raising
+        ``ConfigError`` or ``ValueError`` checks values that join several of its keys.
+      when: ``"section.key=value"``: the choice that reads the keys (a loss, a model name).
+    Returns:
+      ``cls``. Raises ValueError for a section that does not exist, a key the section (or another
+      extension) already has, a field without a default or of a type a TOML file cannot write."""
+    if cls is None:
+        return lambda c: register_keys(section, c, when=when)
+    if section not in SECTIONS:
+        raise ValueError(f"register_keys({section!r}, ...): no such section (sections: {', '.join(SECTIONS)})")
+    if not (dataclasses.is_dataclass(cls) and isinstance(cls, type) and cls.__dataclass_params__.frozen):
+        raise ValueError(f"register_keys({section!r}, {cls!r}): declare the keys as a @dataclass(frozen=True) class")
+    if when and ("=" not in when or "." not in when.split("=", 1)[0]):
+        raise ValueError(f"register_keys({section!r}, {cls.__qualname__}, when={when!r}): expected "
+                         f"'section.key=value', e.g. when='loss.name=focal'")
+    hints = typing.get_type_hints(cls)
+    entry = ExtensionKeys(section, cls, when, hints)
+    # the same class imported twice (a plugin file by path and by name) is one declaration
+    ident = (section, getattr(sys.modules.get(cls.__module__), "__file__", cls.__module__), cls.__qualname__)
+    taken = {f.name: f"{section} itself" for f in dataclasses.fields(SECTIONS[section])}
+    for other_ident, other in EXTENSION_KEYS.items():
+        if other.section == section and other_ident != ident:
+            taken.update({name: other.cls.__qualname__ for name in other.names})
+    for f in dataclasses.fields(cls):
+        where = f"register_keys({section!r}, {cls.__qualname__}): {section}.{f.name}"
+        if f.name in taken:
+            raise ValueError(f"{where} is already a key of [{section}] (declared by {taken[f.name]}); rename it")
+        if f.default is dataclasses.MISSING:
+            raise ValueError(f"{where} has no default: give it one (key(DEFAULT, ...))")
+        try:
+            _check_value(f.default, hints[f.name], f.metadata, f"{where}'s default")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    EXTENSION_KEYS[ident] = entry
+    _EXTENDED.add(section)
+    return cls
+
+
+@contextlib.contextmanager
+def scoped_keys():
+    """Keys registered inside the block are removed after it (tests; a notebook trying a plugin)."""
+    saved = dict(EXTENSION_KEYS)
+    try:
+        yield
+    finally:
+        EXTENSION_KEYS.clear()
+        EXTENSION_KEYS.update(saved)
+
+
+def section_class(name: str, stored_extra: tuple = ()) -> type:
+    """The class of section ``name``: the built-in dataclass, or a subclass of it carrying the keys
+    extensions declared for it (``register_keys``). ``stored_extra``: ``((key, type), ...)`` of keys
+    a stored config has that no loaded extension declares (a checkpoint of a plugin's loss read
+    without the plugin): kept, unchecked, so the config is written back unchanged."""
+    base = SECTIONS[name]
+    entries = [entry for entry in EXTENSION_KEYS.values() if entry.section == name]
+    groups = tuple(entry.cls for entry in entries)
+    if not groups and not stored_extra:
+        return base
+    cache = (name, groups, stored_extra)
+    if cache not in _SECTION_CLASSES:
+        checks = [c.__dict__["__post_init__"] for c in (base, *groups) if "__post_init__" in c.__dict__]
+
+        def __post_init__(self):
+            for check in checks:
+                check(self)
+
+        extra = [(k, typ, field(default=None)) for k, typ in stored_extra]
+        # bases in this order so that the built-in keys come first in config.toml
+        cls = dataclasses.make_dataclass(base.__name__, extra, bases=(*reversed(groups), base), frozen=True,
+                                         namespace={"__post_init__": __post_init__,
+                                                    "__reduce__": lambda self: (_rebuild_section,
+                                                                                (name, stored_extra,
+                                                                                 _section_values(self)))})
+        # the types resolved once: a plugin's annotations name its own module's globals
+        cls._resolved_hints = {**typing.get_type_hints(base), **{k: v for e in entries for k, v in e.hints.items()},
+                               **dict(stored_extra)}
+        cls.__module__ = base.__module__
+        cls.__qualname__ = f"{base.__qualname__}+{'+'.join(g.__qualname__ for g in groups) or 'stored'}"
+        _SECTION_CLASSES[cache] = cls
+    return _SECTION_CLASSES[cache]
+
+
+def _rebuild_section(name: str, stored_extra: tuple, values: dict):
+    """Unpickle an extended section (its class is made at run time, so it pickles by value)."""
+    cls = section_class(name, stored_extra)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _section_values(body) -> dict:
+    return {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}
+
+
+def section_help(section: str, name: str) -> str:
+    """The description an extension gave key ``section.name`` ("" for a built-in key)."""
+    for entry in EXTENSION_KEYS.values():
+        if entry.section == section and name in entry.names:
+            return next(f.metadata.get("help", "") for f in dataclasses.fields(entry.cls) if f.name == name)
+    return ""
 
 
 def _coerce(value: Any, typ, where: str, from_text: bool = False):
@@ -701,7 +872,21 @@ def _coerce(value: Any, typ, where: str, from_text: bool = False):
 
 
 def _hints(cls):
-    return typing.get_type_hints(cls)
+    return cls.__dict__.get("_resolved_hints") or typing.get_type_hints(cls)
+
+
+def _check_value(value: Any, typ, metadata, where: str, from_text: bool = False):
+    """``value`` as ``typ`` within the field's declared range (``metadata["range"]``), or ConfigError."""
+    value = _coerce(value, typ, where, from_text)
+    bounds = metadata.get("range")
+    if bounds is not None:
+        _check_range(value, bounds, where)
+    return value
+
+
+def _stored_type(value: Any):
+    """The type a stored value of an unloaded extension's key is kept as."""
+    return tuple if isinstance(value, (list, tuple)) else type(value)
 
 
 # Keys that moved: (old section, old key) -> (new section, new key). Configs written by a run
@@ -784,8 +969,13 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
             raise ConfigError(f"{where}: unknown section [{name}]{hint} (valid sections: {', '.join(SECTIONS)})")
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of key = value")
-        cls = SECTIONS[name]
+        cls = section_class(name)
         hints = _hints(cls)
+        unknown = [key for key in body if key not in hints]
+        if unknown and stored:
+            # a stored config's keys of an extension not loaded now: kept as they are, unchecked
+            cls = section_class(name, tuple((key, _stored_type(body[key])) for key in unknown))
+            hints = _hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in body.items():
@@ -794,13 +984,17 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
                 near = difflib.get_close_matches(key, list(hints), n=1)
                 hint = f"; did you mean {name}.{near[0]}?" if near else ""
                 raise ConfigError(f"{where}: unknown key {name}.{key}{hint} (valid keys in [{name}]: "
-                                  f"{', '.join(hints)})")
+                                  f"{', '.join(hints)}; a plugin's own keys exist once it is loaded: "
+                                  f"--plugin FILE, train.plugins)")
             full = f"{where}: {name}.{key}" if where == source else where
-            kwargs[key] = _coerce(value, hints[key], full, from_text=(name, key) in origins)
-            bounds = fields[key].metadata.get("range")
-            if bounds is not None:
-                _check_range(kwargs[key], bounds, full)
-        sections[name] = cls(**kwargs)
+            if key in unknown:
+                kwargs[key] = tuple(value) if isinstance(value, list) else value
+                continue
+            kwargs[key] = _check_value(value, hints[key], fields[key].metadata, full, from_text=(name, key) in origins)
+        try:
+            sections[name] = cls(**kwargs)
+        except ValueError as exc:  # an extension's own check (its __post_init__)
+            raise ConfigError(f"{source}: [{name}]: {exc}") from None
     cfg = Config(**sections)
     try:
         validate(cfg, source=source, origins=origins)
@@ -831,8 +1025,8 @@ def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origi
         else:
             without[section][key] = label.replaced
         try:
-            rebuilt = Config(**{name: SECTIONS[name](**{k: _coerce(v, _hints(SECTIONS[name])[k], "", True)
-                                                        for k, v in body.items()})
+            rebuilt = Config(**{name: section_class(name)(**{k: _coerce(v, _hints(section_class(name))[k], "", True)
+                                                             for k, v in body.items()})
                                 for name, body in without.items()})
             validate(rebuilt, source=source)
         except (ConfigError, TypeError, ValueError):

@@ -16,8 +16,8 @@ from typing import Any
 from backends import BACKENDS, ops
 
 from . import hooks, losses, model, optimizers, task
-from .config import (PACKAGED_CONFIGS, Config, ConfigError, build_config, config_path, is_run_record,  # noqa: F401
-                     problem_message, read_values)
+from .config import (EXTENSION_KEYS, PACKAGED_CONFIGS, Config, ConfigError, build_config, config_path,  # noqa: F401
+                     is_run_record, problem_message, read_values)
 from .data import registry as datasets
 from .log import warn
 from .plugins import import_plugins, normalise
@@ -84,14 +84,43 @@ def check_optimizer_keys(values: dict, cfg: Config, source: str = "<config>", or
                           f"ignored); remove it, or choose an optimizer that reads it ({', '.join(readers)})")
 
 
+def _declared_by(cls: type) -> str:
+    """``FILE: Class`` of a plugin file's class (its module name is made up), else ``module.Class``."""
+    module = sys.modules.get(cls.__module__)
+    if cls.__module__.startswith("grf_plugin_") and getattr(module, "__file__", None):
+        return f"{module.__file__}: {cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_extension_keys(values: dict, cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+    """ConfigError for a key an extension declared (``config.register_keys``) that the user wrote
+    while the choice reading it is not selected (``loss.gamma`` of the focal loss under
+    ``loss.name='bce'``), naming the key, where it came from and the choice that reads it."""
+    for entry in EXTENSION_KEYS.values():
+        reader = entry.reader
+        written = values.get(entry.section)
+        if reader is None or not isinstance(written, dict):
+            continue
+        section, key, wanted = reader
+        chosen = getattr(getattr(cfg, section), key)
+        if str(chosen) == wanted:
+            continue
+        for name in (k for k in written if k in entry.names):
+            where = (origins or {}).get((entry.section, name), source)
+            raise ConfigError(f"{where}: {entry.section}.{name} is read only when {entry.when} (declared by "
+                              f"{_declared_by(entry.cls)}); {section}.{key}={chosen!r} does "
+                              f"not read it (it would be ignored): remove it, or set {entry.when}")
+
+
 def resolve(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = False) -> Config:
     """``build_config`` plus the registries' checks: a config a user wrote (``stored``: one a run
     wrote, which lists every key: the unused ones are not refused)."""
-    cfg = build_config(values, source, origins)
+    cfg = build_config(values, source, origins, stored=stored)
     check_registries(cfg, source, origins)
     if not stored:
         check_used(values, cfg, source, origins)
         check_optimizer_keys(values, cfg, source, origins)
+        check_extension_keys(values, cfg, source, origins)
     return cfg
 
 
@@ -160,8 +189,10 @@ def plugins_in_use(cfg: Config) -> tuple[str, ...]:
     file holds it (an interactive session) is a ConfigError saying how to fix it."""
     listed = set(cfg.train.plugins)
     found: list[str] = []
-    for key, registry, name in used_names(cfg):
-        source = registry.source(name) if name in registry else None
+    # the classes declaring extension keys: their module must be imported again to read the keys
+    declared = [(f"[{entry.section}] keys", entry.cls.__qualname__, entry.cls) for entry in EXTENSION_KEYS.values()]
+    for key, name, source in [(key, name, registry.source(name) if name in registry else None)
+                              for key, registry, name in used_names(cfg)] + declared:
         module = sys.modules.get(getattr(source, "__module__", None) or "")
         if module is None or module.__name__.split(".")[0] in _PROJECT:
             continue
@@ -187,5 +218,5 @@ def plugins_in_use(cfg: Config) -> tuple[str, ...]:
     return tuple(found)
 
 
-__all__ = ["CHECKS", "check_registries", "execution_problems", "load_config", "plugins_in_use", "resolve", "used_names",
+__all__ = ["CHECKS", "check_extension_keys", "check_registries", "execution_problems", "load_config", "plugins_in_use", "resolve", "used_names",
            "validate"]

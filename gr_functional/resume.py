@@ -57,7 +57,8 @@ def resume_differences(saved: Config, now: Config) -> tuple[list[str], list[str]
     if saved.data.ties == now.data.ties == "file":
         keys.remove(("data", "ties_seed"))  # the seed of a rule not in use orders nothing
     for section, key in keys:
-        a, b = getattr(getattr(saved, section), key), getattr(getattr(now, section), key)
+        # a key an extension declared after the checkpoint was written: not set then
+        a, b = getattr(getattr(saved, section), key, "(not set)"), getattr(getattr(now, section), key)
         if a != b:
             errors.append(f"{section}.{key}: checkpoint {a!r}, now {b!r}")
     for section, key in _NOTE_KEYS:
@@ -76,7 +77,7 @@ def config_changes(saved: Config, now: Config) -> dict:
             continue
         a, b = getattr(saved, section.name), getattr(now, section.name)
         for f in dataclasses.fields(b):
-            old, new = getattr(a, f.name), getattr(b, f.name)
+            old, new = getattr(a, f.name, None), getattr(b, f.name)
             if old != new:
                 out[f"{section.name}.{f.name}"] = [list(old) if isinstance(old, tuple) else old,
                                                     list(new) if isinstance(new, tuple) else new]
