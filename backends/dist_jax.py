@@ -28,8 +28,8 @@ from gr_functional.embedding.hashtable import hashed_init
 from gr_functional.embedding.sharding import make_sharded, owners
 from gr_functional.errors import ConfigError, DistributedError
 from gr_functional.jagged import round_up_capacity
-from gr_functional.optim import learning_rate
 from gr_functional.optimizers import all_finite
+from gr_functional.optimizers.schedules import learning_rate
 from gr_functional.step import TABLE, apply_update, local_params, rank_grads, score
 from gr_functional.tree import tree_map
 

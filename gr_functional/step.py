@@ -48,9 +48,9 @@ from .embedding import rowopt
 from .errors import ConfigError
 from .embedding.lookup import Lookup, looked_up_rows
 from .memory import peak_rss_bytes
-from .optim import learning_rate
 from .optimizers import GradientTransformation, all_finite, apply_updates, update_loss_scale
 from .optimizers import build as build_optimizer
+from .optimizers.schedules import learning_rate
 from .optimizers import init_loss_scale as _fresh_loss_scale
 from .tree import tree_items, tree_map
 

@@ -11,7 +11,8 @@ lazy_adam, per touched row with ``t`` its own update count::
     t' = t + 1;  m' = b1 m + (1 - b1) g;  v' = b2 v + (1 - b2) g^2
     p' = p - lr * ((m' / (1 - b1^t')) / (sqrt(v' / (1 - b2^t')) + eps) + wd * p)
 
-The same formula as ``optim.adamw_update`` (decoupled weight decay). How it differs from dense
+The same formula as dense AdamW (``optimizers.adamw``: decoupled weight decay), written once with
+row-wise Adagrad in ``optimizers/rowwise.py`` (``lazy_adam_rows``, ``rowwise_adagrad_rows``). How it differs from dense
 AdamW over the table: a row that a step does not look up keeps its moments (they do not decay),
 gets no weight decay and no update from its stale momentum; and the bias correction counts the
 row's own updates (TF's LazyAdam and torch's SparseAdam count the table's steps, which makes a
@@ -24,7 +25,7 @@ rowwise_adagrad (fbgemm's EXACT_ROWWISE_ADAGRAD, L2 weight-decay mode), per touc
 
 One float of state per row (``{"acc": [N]}``): a quarter of a percent of Adam's at D = 256.
 
-``lr`` is the step's scheduled learning rate (``optim.learning_rate`` of the global update count).
+``lr`` is the step's scheduled learning rate (``optimizers.schedules.learning_rate`` of the global update count).
 
 A row given to a new id (inserted, or taken from an evicted id) starts over: ``reset_rows`` zeroes
 its state (lazy Adam's count included, so its bias correction restarts at t = 1).
@@ -32,6 +33,7 @@ its state (lazy Adam's count included, so its bias correction restarts at t = 1)
 from __future__ import annotations
 
 from ..config import OptimConfig
+from ..optimizers.rowwise import lazy_adam_rows, rowwise_adagrad_rows
 from ..tree import tree_map
 
 ROW_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")
@@ -85,22 +87,13 @@ def reference_row_update(B, name: str, values, grads, state_rows: dict, touched,
     xp = B.xp
     keep = xp.reshape(touched, (-1, 1))
     if name == "lazy_adam":
-        b1, b2 = cfg.beta1, cfg.beta2
-        t = state_rows["t"] + 1.0
-        m = b1 * state_rows["m"] + (1.0 - b1) * grads
-        v = b2 * state_rows["v"] + (1.0 - b2) * (grads * grads)
-        tc = xp.reshape(t, (-1, 1))
-        c1 = 1.0 - b1 ** tc  # as optim.adamw_update writes it: the same rounding as dense AdamW
-        c2 = 1.0 - b2 ** tc
-        direction = (m / c1) / (xp.sqrt(v / c2) + cfg.eps)
-        new = values - lr * (direction + cfg.weight_decay * values)
+        delta, m, v, t = lazy_adam_rows(xp, grads, state_rows["m"], state_rows["v"], state_rows["t"], values, lr,
+                                        cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay)
         new_state = {"m": xp.where(keep, m, state_rows["m"]), "v": xp.where(keep, v, state_rows["v"]),
                      "t": xp.where(touched, t, state_rows["t"])}
-        return xp.where(keep, new, values), new_state
-    g = grads + cfg.weight_decay * values if cfg.weight_decay else grads
-    acc = state_rows["acc"] + xp.mean(g * g, axis=1)
-    new = values - lr * g / (xp.reshape(xp.sqrt(acc), (-1, 1)) + cfg.eps)
-    return xp.where(keep, new, values), {"acc": xp.where(touched, acc, state_rows["acc"])}
+        return xp.where(keep, values - delta, values), new_state
+    delta, acc = rowwise_adagrad_rows(xp, grads, state_rows["acc"], values, lr, cfg.eps, cfg.weight_decay)
+    return xp.where(keep, values - delta, values), {"acc": xp.where(touched, acc, state_rows["acc"])}
 
 
 def init_pending(B, k: int, dim: int) -> list:

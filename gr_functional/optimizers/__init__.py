@@ -17,8 +17,9 @@ optimizers), ``accumulate`` (gradient accumulation), ``loss_scale`` (fp16 dynami
 imported on first use only, since it imports optax and so jax).
 
 Layering: imports only leaf utilities (tree, errors, registry; config for types) and no array
-library. The step (step.py) builds its dense optimizer here (``build``); ``optim.py`` keeps the plain
-AdamW every transform is tested against, ``embedding/rowopt.py`` the row-sparse updates.
+library. The step (step.py) builds its dense optimizer here (``build``) and takes its learning rate
+from ``schedules``; each formula is written once (tests/differential/optim_oracle.py keeps the step's
+first AdamW and schedule as the oracles they equal bit for bit).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ with moments trees like params: stable checkpoint paths (``opt.step``, ``opt.mu.
 schedule's count beside the moments, so a resume continues both exactly.
 
 Why one fused transform per optimizer and not optax's ``chain(scale_by_adam(), ...)``: AdamW must
-stay bitwise ``optim.adamw_update`` (and its checkpoints' keys ``step``/``mu``/``nu``); the rules
+stay bitwise the step's first AdamW (tests/differential/optim_oracle.py) (and its checkpoints' keys ``step``/``mu``/``nu``); the rules
 are also exposed as chainable transforms (``scale_by_adam``, ``scale_by_rss``, ``trace``,
 ``scale_by_lion``) for composing one's own.
 
@@ -48,7 +48,7 @@ def adam_rule(b1: float, b2: float, eps: float) -> Rule:
 
     def direction(B, grads, moments, step):
         xp = B.xp
-        # the expressions and their order are optim.adamw_update's: bitwise the same numbers
+        # the expressions and their order are the first AdamW's (optim_oracle.py): bitwise the same numbers
         mu = tree_map(lambda m, g: b1 * m + (1.0 - b1) * g, moments["mu"], grads)
         nu = tree_map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), moments["nu"], grads)
         c1 = 1.0 - b1 ** step
@@ -124,7 +124,7 @@ def descent(rule: Rule, learning_rate, weight_decay: float = 0.0, *, decay_alway
     """``u = -(lr(t') * (d + wd * p))`` of the rule's direction ``d`` (module docstring).
 
     ``weight_decay == 0`` skips the decay term (and ``params`` are then not needed) unless
-    ``decay_always``: AdamW keeps ``d + 0.0 * p`` to stay bitwise ``optim.adamw_update``."""
+    ``decay_always``: AdamW keeps ``d + 0.0 * p`` to stay bitwise the step's first AdamW (tests/differential/optim_oracle.py)."""
     with_decay = decay_always or weight_decay != 0.0
 
     def init(B, params):
@@ -170,9 +170,10 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
 # ----------------------------------------------------------------------------- optimizers
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-4) -> GradientTransformation:
-    """AdamW (optax.adamw; torch.optim.AdamW): bitwise ``optim.adamw_update`` on every backend
-    for the same learning rate (a number, or ``schedules.from_config(cfg)``). State exactly
-    ``{"step": 0-d float, "mu": tree, "nu": tree}``, checkpoint-compatible with ``optim.adamw_init``."""
+    """AdamW (optax.adamw; torch.optim.AdamW), the step's dense optimizer: bitwise the first AdamW
+    (tests/differential/optim_oracle.py) on every backend for the same learning rate (a number, or
+    ``schedules.from_config(cfg)``). State exactly ``{"step": 0-d float, "mu": tree, "nu": tree}``,
+    checkpoint-compatible with every run since the first."""
     return descent(adam_rule(b1, b2, eps), learning_rate, weight_decay, decay_always=True, name="adamw")
 
 

@@ -1,7 +1,7 @@
 """Row-wise table optimizers as transforms over a whole table: ``rowwise_adagrad``, ``lazy_adam``.
 
-The formulas are ``embedding/rowopt.py``'s (which stays authoritative: the training step updates
-gathered rows through it and the backend's row kernels); here they act on a table gradient
+The formulas (``lazy_adam_rows``, ``rowwise_adagrad_rows``) are the ones the training step updates
+gathered rows with (``embedding/rowopt.py``, the oracle of the backends' row kernels); here they act on a table gradient
 ``g[N, D]`` as ``value_and_grad`` gives it, so a table can sit in a ``partition`` beside dense
 AdamW. A row is *touched* when its gradient row is not all zero (rows no id looked up get exact
 zeros); untouched rows get a ``-0.0`` update and keep their state. One difference from rowopt,
@@ -23,6 +23,30 @@ from __future__ import annotations
 from ..tree import tree_map
 from .schedules import learning_rate_at
 from .transform import GradientTransformation, counter
+
+
+# ----------------------------------------------------------------------------- the formulas, once
+# Both the transforms below (a whole table's gradient) and the training step's row updates
+# (embedding/rowopt.py: the gathered rows of a lookup) compute an update by these two functions.
+
+def lazy_adam_rows(xp, g, m, v, t, p, lr, b1: float, b2: float, eps: float, weight_decay: float):
+    """Lazy AdamW of rows: ``(delta[U, D], m', v', t')`` with ``p' = p - delta`` for every row
+    (the caller keeps untouched rows). ``g, m, v, p [U, D]``, ``t [U]`` the rows' own counts."""
+    t1 = t + 1.0
+    m1 = b1 * m + (1.0 - b1) * g
+    v1 = b2 * v + (1.0 - b2) * (g * g)
+    tc = xp.reshape(t1, (-1, 1))
+    c1 = 1.0 - b1 ** tc  # the dense AdamW's expressions, in its order: the same rounding
+    c2 = 1.0 - b2 ** tc
+    direction = (m1 / c1) / (xp.sqrt(v1 / c2) + eps)
+    return lr * (direction + weight_decay * p), m1, v1, t1
+
+
+def rowwise_adagrad_rows(xp, g, acc, p, lr, eps: float, weight_decay: float):
+    """Row-wise Adagrad of rows: ``(delta[U, D], acc')`` with ``p' = p - delta``. ``acc [U]``."""
+    g2 = g + weight_decay * p if weight_decay else g
+    new_acc = acc + xp.mean(g2 * g2, axis=1)
+    return lr * g2 / (xp.reshape(xp.sqrt(new_acc), (-1, 1)) + eps), new_acc
 
 
 def _touched(B, g):
@@ -51,10 +75,8 @@ def rowwise_adagrad(learning_rate, eps: float = 1e-8, weight_decay: float = 0.0)
 
         def one(g, acc, p):
             touched = _touched(B, g)
-            g2 = g + weight_decay * p if weight_decay else g
-            new_acc = acc + xp.mean(g2 * g2, axis=1)
-            u = -(lr * g2 / (xp.reshape(xp.sqrt(new_acc), (-1, 1)) + eps))
-            return _rows_only(B, u, touched), xp.where(touched, new_acc, acc)
+            delta, new_acc = rowwise_adagrad_rows(xp, g, acc, p, lr, eps, weight_decay)
+            return _rows_only(B, -delta, touched), xp.where(touched, new_acc, acc)
 
         ps = params if params is not None else tree_map(lambda g: None, updates)
         pairs = tree_map(lambda g, a, p: one(g, a, p), updates, state["acc"], ps)
@@ -83,15 +105,8 @@ def lazy_adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e
         def one(g, m, v, t, p):
             touched = _touched(B, g)
             keep = xp.reshape(touched, (-1, 1))
-            t1 = t + 1.0
-            m1 = b1 * m + (1.0 - b1) * g
-            v1 = b2 * v + (1.0 - b2) * (g * g)
-            tc = xp.reshape(t1, (-1, 1))
-            c1 = 1.0 - b1 ** tc          # rowopt.reference_row_update's expressions, in its order
-            c2 = 1.0 - b2 ** tc
-            direction = (m1 / c1) / (xp.sqrt(v1 / c2) + eps)
-            u = -(lr * (direction + weight_decay * p))
-            return (_rows_only(B, u, touched), xp.where(keep, m1, m), xp.where(keep, v1, v),
+            delta, m1, v1, t1 = lazy_adam_rows(xp, g, m, v, t, p, lr, b1, b2, eps, weight_decay)
+            return (_rows_only(B, -delta, touched), xp.where(keep, m1, m), xp.where(keep, v1, v),
                     xp.where(touched, t1, t))
 
         outs = tree_map(one, updates, state["m"], state["v"], state["t"], params)

@@ -1,14 +1,14 @@
 """Learning-rate schedules: pure functions ``schedule(xp, t) -> lr`` of the update number.
 
 ``t`` is the 1-based number of the update being made (a 0-d float array, the optimizer state's
-``"step"`` after its increment, or a Python number), the convention of ``optim.learning_rate``:
+``"step"`` after its increment, or a Python number), the step's convention:
 the first update already gets ``lr / warmup_steps`` rather than 0. As functions, ours equal optax's
 (``warmup_cosine_decay_schedule(0, lr, W, W + D, end)`` and the linear/constant joins) at the same
 number; but an optax optimizer calls its schedule with the 0-based count ``t - 1``, so an optax
 optimizer on our schedule gets ``count -> schedule(xp, count + 1)`` (``as_optax_schedule``).
 
-The numerics are those of ``optim.learning_rate`` operation for operation (the same expressions
-in the same order), so an optimizer built here is bitwise the one of ``optim.adamw_update``:
+The numerics are those of the step's first schedule operation for operation (the same expressions
+in the same order; tests/differential/optim_oracle.py keeps it as the oracle):
 linear warmup ``lr * t / W`` for ``t < W``, then ``constant`` lr, or a decay over ``D`` updates to
 ``end = lr * end_lr_factor``: ``cosine`` ``end + (lr - end) * (1 + cos(pi p)) / 2`` or ``linear``
 ``end + (lr - end) * (1 - p)``, ``p = clip((t - W) / D, 0, 1)``. A schedule without warmup or decay
@@ -33,7 +33,9 @@ def schedule(lr: float, kind: str = "constant", warmup_steps: int = 0, decay_ste
     if kind not in KINDS:
         raise ValueError(f"unknown schedule {kind!r}; one of {', '.join(KINDS)}")
     if kind != "constant" and decay_steps < 1:
-        raise ValueError(f"a {kind!r} schedule decays over decay_steps updates; got decay_steps={decay_steps}")
+        raise ValueError(f"a {kind!r} schedule decays over decay_steps updates; got decay_steps={decay_steps} (in a "
+                         f"config, optim.decay_steps = 0 means over the run: the run loop resolves it from the steps "
+                         f"per epoch, gr_functional.optim.resolve_schedule)")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
     W = warmup_steps
@@ -89,8 +91,14 @@ def linear_decay(lr: float, decay_steps: int, end_lr_factor: float = 0.0) -> Sch
 
 def from_config(cfg: "OptimConfig") -> Schedule:
     """The schedule of an ``OptimConfig`` (``lr, schedule, warmup_steps, decay_steps,
-    end_lr_factor``): ``schedule(xp, t) == optim.learning_rate(xp, t, cfg)`` bit for bit."""
+    end_lr_factor``): the step's learning rate of update ``t`` is ``from_config(cfg)(xp, t)``."""
     return schedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.decay_steps, cfg.end_lr_factor)
+
+
+def learning_rate(xp, t, cfg: "OptimConfig"):
+    """The learning rate of update ``t`` (1-based) under ``cfg``'s schedule: what the step and the
+    row-sparse table update with (``from_config(cfg)(xp, t)``)."""
+    return from_config(cfg)(xp, t)
 
 
 def learning_rate_at(learning_rate, xp, t):

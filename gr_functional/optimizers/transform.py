@@ -136,7 +136,7 @@ def scale(factor: float) -> GradientTransformation:
 
 def scale_by_schedule(schedule: Callable) -> GradientTransformation:
     """``u * schedule(xp, t)`` with ``t`` the 1-based update number (``schedules``: the convention
-    of ``optim.learning_rate``; optax calls its schedules with ``t - 1``). State ``{"step"}``."""
+    of ``schedules.learning_rate``; optax calls its schedules with ``t - 1``). State ``{"step"}``."""
     def init(B, params):
         return {"step": counter(B)}
 

@@ -12,7 +12,7 @@ from backends import get_backend
 from gr_functional import model
 from gr_functional.batch import Negatives, make_batch
 from gr_functional.config import Config, ModelConfig, OptimConfig
-from gr_functional.optim import adamw_init, adamw_update
+from .optim_oracle import adamw_init, adamw_update
 from gr_functional.step import make_train_step
 from gr_functional.tree import tree_items
 

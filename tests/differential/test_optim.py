@@ -1,4 +1,5 @@
-"""Our pure AdamW against the two oracles, optax.adamw and torch.optim.AdamW, on the same grads."""
+"""The package's AdamW (``optimizers`` by ``optim.name``, the step's dense optimizer) and its schedule
+against the two oracles, optax.adamw and torch.optim.AdamW, on the same grads."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 from backends import get_backend
 from gr_functional.config import OptimConfig
-from gr_functional.optim import adamw_init, adamw_update, learning_rate
+from gr_functional.optimizers import apply_updates, build, schedules
 from gr_functional.tree import tree_items
 
 from .common import FWD_TOL, rel_err
@@ -24,13 +25,24 @@ def _problem(seed=0, steps=5):
     return params, grads
 
 
+def _adamw(B, params, grads, cfg: OptimConfig):
+    """``params`` after one AdamW update per gradient, by the optimizer the step builds."""
+    tx = build(B, cfg)
+    p = B.asarray_tree(params)
+    state = tx.init(B, p)
+    for g in grads:
+        updates, state = tx.update(B, B.asarray_tree(g), state, p)
+        p = apply_updates(B, p, updates)
+    return p
+
+
+def _learning_rate(xp, t, cfg: OptimConfig):
+    return schedules.from_config(cfg)(xp, t)
+
+
 def _ours(name, params, grads):
     B = get_backend(name)
-    p = B.asarray_tree(params)
-    state = adamw_init(B, p)
-    for g in grads:
-        p, state = adamw_update(B, B.asarray_tree(g), state, p, OPT)
-    return {k: B.to_numpy(v) for k, v in tree_items(p)}
+    return {k: B.to_numpy(v) for k, v in tree_items(_adamw(B, params, grads, OPT))}
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])
@@ -81,12 +93,10 @@ SCHEDULES = [OptimConfig(lr=3e-3, schedule="constant", warmup_steps=4),
 @pytest.mark.parametrize("name", ["jax", "torch"])
 @pytest.mark.parametrize("cfg", SCHEDULES, ids=lambda c: f"{c.schedule}-w{c.warmup_steps}-d{c.decay_steps}")
 def test_schedule_equals_optax_at_the_update_count(name, cfg):
-    from gr_functional.optim import learning_rate
-
     B = get_backend(name)
     sched = _optax_schedule(cfg)
     for t in range(1, 14):
-        got = float(B.to_numpy(B.asarray(learning_rate(B.xp, B.asarray(float(t)), cfg))))
+        got = float(B.to_numpy(B.asarray(_learning_rate(B.xp, B.asarray(float(t)), cfg))))
         assert abs(got - float(sched(t))) <= 1e-6 * cfg.lr, (t, got, float(sched(t)))
 
 
@@ -105,14 +115,11 @@ def test_scheduled_adamw_matches_optax(name):
         updates, state = tx.update(g, state, p)
         p = optax.apply_updates(p, updates)
     B = get_backend(name)
-    q = B.asarray_tree(params)
-    s = adamw_init(B, q)
-    for g in grads:
-        q, s = adamw_update(B, B.asarray_tree(g), s, q, cfg)
+    q = _adamw(B, params, grads, cfg)
     for (key, want), (_, got) in zip(tree_items(p), tree_items(q)):
         assert rel_err(B.to_numpy(got), np.asarray(want)) <= FWD_TOL, key
 
 
 def test_learning_rate_refuses_an_unresolved_run_long_decay():
     with pytest.raises(ValueError, match="resolve_schedule"):
-        learning_rate(np, 1.0, OptimConfig(schedule="cosine", decay_steps=0))
+        _learning_rate(np, 1.0, OptimConfig(schedule="cosine", decay_steps=0))

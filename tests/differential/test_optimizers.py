@@ -16,7 +16,7 @@ from gr_functional import optimizers as O
 from gr_functional.config import Config, OptimConfig
 from gr_functional.embedding import rowopt
 from gr_functional.errors import ConfigError
-from gr_functional.optim import adamw_init, adamw_update, learning_rate
+from .optim_oracle import adamw_init, adamw_update, learning_rate
 from gr_functional.tree import tree_items, tree_map
 
 from .common import FWD_TOL, rel_err

@@ -10,7 +10,7 @@ import torch
 from backends import get_backend
 from gr_functional.config import OptimConfig
 from gr_functional.embedding import rowopt
-from gr_functional.optim import adamw_init, adamw_update
+from .optim_oracle import adamw_init, adamw_update
 
 from .common import FWD_TOL, rel_err
 

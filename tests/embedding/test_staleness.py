@@ -9,7 +9,7 @@ import pytest
 
 import gr_functional as grf
 from gr_functional.embedding.lookup import Lookup
-from gr_functional.optim import adamw_update
+from ..differential.optim_oracle import adamw_update
 from gr_functional.step import (TABLE, init_opt_state, local_params, make_train_step, micro_grads, refresh_rows,
                                  sparse_update)
 
