@@ -31,6 +31,7 @@ def test_the_generated_reference_pages_are_current():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_every_config_key_has_a_description():
     """Each field of each config section has the text the config page shows for it: ``#`` comment
     lines right above it in gr_functional/config.py, or a ``#`` comment after it on its line."""
@@ -51,6 +52,7 @@ def test_the_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
 
 
+@pytest.mark.slow
 def test_the_readme_experiment_runs(tmp_path):
     """The twelve-line experiment of the README, as a reader would paste it."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)

@@ -19,6 +19,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.slow
 def test_rab_ablation_trains_every_variant_and_tabulates_them(tmp_path, monkeypatch, capsys):
     sets = [arg for item in TINY + ["train.epochs=1"] for arg in ("--set", item)]
     monkeypatch.setattr(sys, "argv", ["rab_ablation.py", "--config", str(ROOT / "experiments/configs/quickstart.toml"),

@@ -331,6 +331,7 @@ KNOWN_CYCLES = ()  # none left: the last (backends <-> npu_ops.triton_hstu) went
 MAX_FUNCTION_LEVEL = 57
 
 
+@pytest.mark.slow
 def test_no_import_cycles_counting_function_level_imports(full_graph):
     got = {frozenset(c) for c in _components(full_graph)}
     new = [sorted(c) for c in got - set(KNOWN_CYCLES)]
@@ -341,6 +342,7 @@ def test_no_import_cycles_counting_function_level_imports(full_graph):
     assert not gone, f"cycles removed: {gone}; take them out of KNOWN_CYCLES"
 
 
+@pytest.mark.slow
 def test_function_level_project_imports_only_go_down():
     modules = _modules()
     count = 0
@@ -397,6 +399,7 @@ def test_gr_functional_imports_no_array_library_at_module_level(graph):
     assert not bad, f"gr_functional modules importing an array library at module level: {bad}"
 
 
+@pytest.mark.slow
 def test_every_importlib_site_is_read_or_listed():
     modules = _modules()
     unread = {name: _dynamic_imports(name, path, modules)[1] for name, path in modules.items()}
@@ -411,6 +414,7 @@ def test_every_importlib_site_is_read_or_listed():
         assert not wrong, f"DYNAMIC_IMPORTS[{name!r}] names modules that do not exist: {wrong}"
 
 
+@pytest.mark.slow
 def test_loads_up_are_needed_and_come_back(full_graph):
     """Each LOADS_UP site loads a module that imports the loader back (else it is no exception)."""
     modules = _modules()
@@ -431,6 +435,7 @@ def test_loads_up_are_needed_and_come_back(full_graph):
     assert not idle, f"LOADS_UP entries whose loads no longer import them back: {idle}; take them out"
 
 
+@pytest.mark.slow
 def test_npu_ops_imports_nothing_of_backends():
     """npu_ops sits below backends' op layer: the error classes and the time buckets both need
     live in gr_functional's leaves (counting function-level imports and every importlib site)."""

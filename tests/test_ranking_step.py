@@ -66,6 +66,7 @@ def _one_step(B, cfg, batches):
     return float(m["loss"]), dict(tree_items(B.to_numpy_tree(params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tables", ["dense", "hash"])
 def test_accumulated_micro_batches_are_one_batch_of_all_their_users(tables):
     """train.accumulate = 2 in float64: micro-batches of 5 and 8 users (different longest sequences
@@ -94,6 +95,7 @@ def test_accumulated_micro_batches_are_one_batch_of_all_their_users(tables):
     assert max(rel_err(own[key], want) for key, want in one.items()) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tables", ["dense", "hash"])
 def test_padded_batches_train_what_exact_ones_do(tables):
     """``make_ranking_batch(pad=True)`` (what a ``static_shapes`` backend, JAX, trains and scores

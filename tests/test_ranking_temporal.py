@@ -241,6 +241,7 @@ def _train(path, out, *sets):
                  "--set", f"data.path={path}", *[a for s in sets for a in ("--set", s)]])
 
 
+@pytest.mark.slow
 def test_bad_logs_and_cutoffs_stop_before_anything_is_written(tmp_path, capsys):
     """A malformed line, a missing column, cutoffs outside the data: exit 2, a message naming the
     file and line or the key, and no run folder."""

@@ -58,6 +58,7 @@ def test_a_plugin_task_resumes_bitwise_after_sigkill(toy_run, tmp_path):
     assert (out / "metrics.jsonl").read_bytes() == (toy_run / "metrics.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_grf_eval_and_report_read_a_plugin_task(toy_run):
     proc = _grf("eval", "--checkpoint", str(toy_run / "checkpoints" / "last.safetensors"), "--out",
                 str(toy_run / "eval-last.json"))

@@ -18,6 +18,7 @@ def _raw(kind):
     return rows[0], rows[1:]
 
 
+@pytest.mark.slow
 def test_user_features_of_kuairand_pure():
     t = load_kuairand_features(kind="user")
     header, rows = _raw("user")

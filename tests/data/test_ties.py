@@ -24,6 +24,7 @@ def _tied(data) -> np.ndarray:
     return tied
 
 
+@pytest.mark.slow
 def test_shuffle_differs_from_file_order_exactly_on_tied_events(ml1m):
     file, shuffled = ml1m["file"], ml1m["shuffle"]
     np.testing.assert_array_equal(file.times, shuffled.times)
@@ -39,6 +40,7 @@ def test_shuffle_differs_from_file_order_exactly_on_tied_events(ml1m):
     np.testing.assert_array_equal(file.ratings[key(file)], shuffled.ratings[key(shuffled)])
 
 
+@pytest.mark.slow
 def test_shuffle_is_reproducible_from_its_seed_and_moves_with_it(ml1m):
     again = load_dataset(load_config(None, ["data.dataset=ml-1m", "data.ties=shuffle"]).data)
     np.testing.assert_array_equal(again.items, ml1m["shuffle"].items)

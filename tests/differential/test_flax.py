@@ -58,6 +58,7 @@ def test_hstu_module_holds_the_functional_tree_one_to_one():
     _same_tree(HSTU(CFG, seed=3).params(), tree)                           # seeded init == init_params
 
 
+@pytest.mark.slow
 def test_hstu_module_outputs_and_gradients_are_the_functional_models():
     B = get_backend("jax")
     tree = B.asarray_tree(model.init_params(CFG, seed=1))

@@ -151,6 +151,7 @@ def test_segment_scales_are_each_sequences_largest_negative_value(backend, extra
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_full_softmax_is_cross_entropy_over_every_item(backend):
     """The catalogue loss is the textbook softmax cross-entropy over ids 1..N (the target counted
     once), computed here without the shared-pool masking it is built from."""

@@ -306,6 +306,7 @@ def sample_seqs():
     return kr.sequences_from_log(load_kuairand_log(columns=kr.LOG_COLUMNS), load_kuairand_features(kind="user"))
 
 
+@pytest.mark.slow
 def test_ranking_batch_of_the_log_sample(sample_seqs):
     from gr_functional.ranking.model import RankingModelConfig, make_ranking_batch
 
@@ -432,6 +433,7 @@ def test_output_norm_shapes_follow_group_norm():
             np.testing.assert_array_equal(value, out[True][key])
 
 
+@pytest.mark.slow
 def test_group_norm_false_is_one_layer_norm_over_all_heads(backend):
     """``group_norm = false`` on a token whose heads differ in scale: one mean and variance over all
     H dv values (float64 numpy), not one per head; ``true`` is the per-head GroupNorm."""

@@ -111,6 +111,7 @@ class CountingIdMap(IdMap):
         super().rebuild()
 
 
+@pytest.mark.slow
 def test_idmap_long_stream_with_collisions_and_rebuilds():
     rng = np.random.default_rng(0)
     m, oracle = CountingIdMap(1 << 10), {}

@@ -140,6 +140,7 @@ def test_autograd_function_multi_tile(config, bias):
     _assert_matches(_run_triton(case, "function", config), _reference(case), case)
 
 
+@pytest.mark.slow
 def test_time_bucket_edges_end_to_end():
     """q = k = 0, v = identity, ts_w[k] = k/8: out[i, j] = SiLU(ts_w[bucket(query_ts_i - ts_j)]) / n, so a
     bucket off by one is a large error. K = 128: gaps on both sides of every threshold, both signs,

@@ -109,6 +109,7 @@ CORPUS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CORPUS))
 def test_bad_input_is_a_clear_error_and_loses_nothing(case, finished_run, capsys):
     root, out, good = finished_run

@@ -209,6 +209,7 @@ def test_file_size_limit_is_a_one_line_error_and_resume_trusts_no_partial_file(t
     assert [m["step"] for m in metrics(out) if m["kind"] == "train"] == list(range(1, 11))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC, errno.EACCES])
 def test_unwritable_checkpoint_folder_exits_5_naming_file_and_last_checkpoint(tmp_path, capsys, monkeypatch, code):
     assert main(_args(tmp_path, "train.epochs=1")) == 0

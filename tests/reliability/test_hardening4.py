@@ -96,6 +96,7 @@ def _line_of(path, text: str) -> int:
 
 
 # ----------------------------------------------------------------------------- 1. the user's registered code fails
+@pytest.mark.slow
 @pytest.mark.parametrize("fail, key, named, said, raised_at", [
     ("builder", "optim.name=h4_opt", "optimizer 'h4_opt' (h4_opt)", "raised RuntimeError: the builder's own bug",
      "raise RuntimeError"),

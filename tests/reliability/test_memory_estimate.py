@@ -164,6 +164,7 @@ def test_a_huge_dense_catalogue_is_refused_without_allocating(monkeypatch):
     assert "lower model.embed_dim, or set data.remap_items=true if the item ids are sparse" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_the_projects_experiment_configs_fit_20_gb(backend, monkeypatch):
     """Every experiments/configs/*.toml (ML-1M and the quickstart, HSTU-large included) passes on a

@@ -128,6 +128,7 @@ def test_fp16_dynamic_loss_scaling():
     assert scales[first_ok + 3] == 2 * ok_scale        # doubled after 3 clean steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_runner_switch(precision, tmp_path):
     """``--set backend.precision=...`` end to end. fp16 starts at loss scale 2^16 (GradScaler's

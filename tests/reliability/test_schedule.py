@@ -5,6 +5,7 @@ from __future__ import annotations
 from gr_functional.cli import main
 
 from .common import TINY, sets
+import pytest
 
 WARMUP_COSINE = ["optim.schedule=cosine", "optim.warmup_steps=3", "optim.decay_steps=7", "optim.end_lr_factor=0.1"]
 
@@ -34,6 +35,7 @@ def _resolved_decay(out) -> int:
     return tomllib.loads((out / "config.toml").read_text())["optim"]["decay_steps"]
 
 
+@pytest.mark.slow
 def test_decay_steps_0_decays_over_the_whole_run(tmp_path):
     # TINY: 5 updates per epoch; 3 epochs -> 15 updates, warmup 3 -> a decay of 12, recorded in
     # config.toml, and the run is the one with decay_steps = 12 written out
