@@ -906,12 +906,6 @@ ADDED_KEYS = {("ranking", "group_norm"): (True, ("model", "task", "ranking"))}  
 CPU_FUSED_OFF = {"sampled_logits": "reference", "shared_logsumexp": "reference"}
 
 
-def unread_sections(task: str) -> tuple[str, ...]:
-    """Config sections a run of ``task`` never reads: a change there (a moved default) changes
-    nothing it computes, so resuming and the refactor fingerprints ignore them."""
-    return () if task == "ranking" else ("ranking",)
-
-
 def migrate(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = True) -> dict:
     """``values`` ({section: {key: value}}) with the keys of older versions in their place now
     (``MOVED_KEYS``, ``backend.cpu_fused``) and, if ``stored``, the keys a run written before them
@@ -949,7 +943,7 @@ def migrate(values: dict, source: str = "<config>", origins: dict | None = None,
 
 
 def build_config(values: dict, source: str = "<config>", origins: dict | None = None,
-                 stored: bool = False) -> Config:
+                 stored: bool = False, rules: tuple = ()) -> Config:
     """Config from a nested dict ``{section: {key: value}}``, every value checked (type, choices,
     range, then ``validate``). Errors name the value's origin: ``origins[(section, key)]`` (e.g.
     ``"--set model.num_blocks=4"``) when given, else ``source`` (the file).
@@ -957,7 +951,8 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
     ``stored``: the config was written by a run (a checkpoint's or OUT/config.toml): keys of
     older versions are migrated (``MOVED_KEYS``). Registry names (dataset, loss, kernel) are not
     looked up here (``gr_functional.configure`` does, for a config a user wrote), so a checkpoint
-    of a plugin's loss can be read without that plugin."""
+    of a plugin's loss can be read without that plugin. ``rules``: the cross-key rules of the
+    config's task (``Task.config_rules``), run by ``validate`` beside the shared ones."""
     origins = origins or {}
     values = migrate(values, source, origins, stored)
     sections = {}
@@ -997,13 +992,13 @@ def build_config(values: dict, source: str = "<config>", origins: dict | None = 
             raise ConfigError(f"{source}: [{name}]: {exc}") from None
     cfg = Config(**sections)
     try:
-        validate(cfg, source=source, origins=origins)
+        validate(cfg, source=source, origins=origins, rules=rules)
     except ConfigError as exc:
-        raise ConfigError(_blame_overrides(str(exc), cfg, values, source, origins)) from None
+        raise ConfigError(_blame_overrides(str(exc), cfg, values, source, origins, rules)) from None
     return cfg
 
 
-def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origins: dict) -> str:
+def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origins: dict, rules: tuple = ()) -> str:
     """A cross-key rule's ``message`` names the key it checks and that key's origin; when that
     key came from the file (or is a default) but an override made the rule fail (``--set
     embedding.kind=hash`` with the file's ``embedding.optimizer='adamw'``), the message leads with
@@ -1028,7 +1023,7 @@ def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origi
             rebuilt = Config(**{name: section_class(name)(**{k: _coerce(v, _hints(section_class(name))[k], "", True)
                                                              for k, v in body.items()})
                                 for name, body in without.items()})
-            validate(rebuilt, source=source)
+            validate(rebuilt, source=source, rules=rules)
         except (ConfigError, TypeError, ValueError):
             continue
         blamed.append(str(label))
@@ -1048,23 +1043,25 @@ def _blame_overrides(message: str, cfg: Config, values: dict, source: str, origi
     return f"{message} (set by {' and '.join(blamed)})"
 
 
-def validate(cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
+def validate(cfg: Config, source: str = "<config>", origins: dict | None = None, rules: tuple = ()) -> None:
     """Rules joining several keys (single values were checked by ``build_config``); ``ConfigError``
-    names the key, its origin and the fix. Names looked up in a registry (``loss.name``,
-    ``data.dataset``, kernels, hooks, optimizers) are each registry's own check
-    (``gr_functional.configure.check_registries``): this module imports nothing of the project."""
+    names the key, its origin and the fix. ``rules``: the task's own (``Task.config_rules(cfg,
+    fail)``: the ranking task's cutoffs, retrieval's eval.ks), called with the same ``fail``. Names
+    looked up in a registry (``loss.name``, ``data.dataset``, kernels, hooks, optimizers) are each
+    registry's own check (``gr_functional.configure.check_registries``): this module imports nothing
+    of the project."""
     origins = origins or {}
 
     def fail(section: str, key: str, message: str):
         raise ConfigError(problem_message(cfg, section, key, message, source, origins))
 
-    b, e = cfg.backend, cfg.eval
+    b = cfg.backend
     if b.compile and b.name != "torch":
         fail("backend", "compile", f"torch.compile is a torch-backend option: "
                                    f"{'JAX always jit-compiles its step' if b.name == 'jax' else 'on npu it goes through torchair / triton-ascend, not verified here'}; "
                                    f"set backend.compile=false")
-    if cfg.model.task == "ranking":
-        _validate_ranking(cfg, fail)
+    for rule in rules:
+        rule(cfg, fail)
     if cfg.dist.devices > 1 or (b.name == "jax" and cfg.dist.nproc > 1):
         _validate_devices(cfg, fail)
     if b.precision == "fp16" and 1.0 / cfg.loss.temperature >= 65504.0:
@@ -1089,12 +1086,6 @@ def validate(cfg: Config, source: str = "<config>", origins: dict | None = None)
     if emb.kind == "dense" and emb.capacity:
         fail("embedding", "capacity", "a dense table has one row per item id (model.num_items + 1); capacity "
                                       "applies to embedding.kind = 'hash'")
-    if cfg.model.task == "ranking":
-        return  # eval.ks are retrieval cut-offs
-    if not e.ks or any(k < 1 for k in e.ks):
-        fail("eval", "ks", "must be a non-empty list of cut-offs >= 1, e.g. [10, 50, 200]")
-    if 10 not in e.ks:
-        fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
 
 
 def cutoff_ms(text: str) -> int:
@@ -1143,47 +1134,6 @@ def _validate_devices(cfg: Config, fail) -> None:
                                 f"train.batch_size")
     if e.sharding == "row" and e.node_size and ranks % e.node_size:
         fail("embedding", "node_size", f"must divide the ranks, dist.nproc x dist.devices = {ranks}")
-
-
-def _validate_ranking(cfg: Config, fail) -> None:
-    """The rules of ``model.task = "ranking"`` (gr_functional/ranking/task.py)."""
-    d = cfg.data
-    if d.split == "temporal":
-        cut = {}
-        for key in ("valid_start", "test_start", "test_end"):
-            if getattr(d, key) == "" and key != "test_end":
-                fail("data", key, 'data.split="temporal" needs it: the first time of the validation window '
-                                  '(valid_start) or of the test window (test_start), e.g. "2022-05-01"')
-            try:
-                cut[key] = cutoff_ms(getattr(d, key)) if getattr(d, key) else None
-            except ValueError as exc:
-                fail("data", key, str(exc))
-        if cut["valid_start"] >= cut["test_start"]:
-            fail("data", "test_start", f"must come after data.valid_start={d.valid_start!r}: validation is "
-                                       f"[valid_start, test_start)")
-        if cut["test_end"] is not None and cut["test_end"] <= cut["test_start"]:
-            fail("data", "test_end", f"must come after data.test_start={d.test_start!r} (or be \"\": to the end)")
-    elif any(getattr(d, key) for key in ("valid_start", "test_start", "test_end")):
-        key = next(k for k in ("valid_start", "test_start", "test_end") if getattr(d, k))
-        fail("data", key, 'is a cutoff of data.split="temporal"; set data.split="temporal" or drop it')
-    if d.history_prefix and (d.dataset != "kuairand-rank-log" or d.split != "temporal"):
-        fail("data", "history_prefix", "prefixes an official KuaiRand log's users with their pre-period ids: it needs "
-                                       "data.dataset='kuairand-rank-log' and data.split='temporal'")
-    if cfg.dist.balance == "lookahead":
-        fail("dist", "balance", "model.task='ranking' splits each global batch as it is (\"none\" or \"kk\"); "
-                                "lookahead moves samples between batches, which ranking's loader does not plan")
-    emb = cfg.embedding
-    if emb.sharding == "row" and emb.kind != "hash":
-        fail("embedding", "sharding", "model.task='ranking' row-shards its one merged hash table: set "
-                                      "embedding.kind='hash' (the dense tables are replicated)")
-    if emb.kind == "dense" and emb.optimizer != "adamw":
-        fail("embedding", "optimizer", "model.task='ranking' updates dense tables with AdamW; the row-sparse "
-                                       "optimizers come with embedding.kind='hash' (ranking/sparse.py)")
-    if emb.kind == "hash" and not cfg.ranking.merge_tables:
-        fail("ranking", "merge_tables", "embedding.kind='hash' keeps every id feature in one hash table: set "
-                                        "ranking.merge_tables=true")
-    if emb.kind == "hash" and emb.init == "dense":
-        fail("embedding", "init", "model.task='ranking' starts hash rows from hashed_init: set embedding.init='hashed'")
 
 
 def problem_message(cfg: Config, section: str, key: str, message: str, source: str = "<config>",

@@ -115,7 +115,7 @@ def check_extension_keys(values: dict, cfg: Config, source: str = "<config>", or
 def resolve(values: dict, source: str = "<config>", origins: dict | None = None, stored: bool = False) -> Config:
     """``build_config`` plus the registries' checks: a config a user wrote (``stored``: one a run
     wrote, which lists every key: the unused ones are not refused)."""
-    cfg = build_config(values, source, origins, stored=stored)
+    cfg = build_config(values, source, origins, stored=stored, rules=task.task_rules(values))
     check_registries(cfg, source, origins)
     if not stored:
         check_used(values, cfg, source, origins)

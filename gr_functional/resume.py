@@ -15,10 +15,11 @@ import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointDir, CheckpointError, check_finite, read_checkpoint
 from .log import warn
-from .config import Config, ConfigError, unread_sections
+from .config import Config, ConfigError
 from .errors import DataError
 from .runlock import RunLocked
 from .step import dense_state, init_loss_scale
+from .task import unread_sections
 from .tree import tree_items
 
 RESUME_MODES = ("auto", "must", "never")
@@ -43,7 +44,7 @@ _NOTE_KEYS = [("optim", f.name) for f in dataclasses.fields(Config().optim) if f
 
 
 def _unread(saved: Config, now: Config) -> set[str]:
-    """Sections neither config's task reads (``config.unread_sections``): not compared."""
+    """Sections neither config's task reads (``Task.unread_sections``): not compared."""
     return set(unread_sections(saved.model.task)) & set(unread_sections(now.model.task))
 
 

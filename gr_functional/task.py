@@ -70,6 +70,17 @@ class Task:
     rng_generator: str = "numpy default_rng((train.seed, epoch, batch))"
     result_fields: dict = {}
 
+    def config_rules(self, cfg: Config, fail) -> None:
+        """The task's rules joining config keys, run when a config is read (``config.validate``):
+        call ``fail(section, key, message)`` for the first broken one; it raises the ConfigError that
+        names the key, where its value came from and, if an override broke the rule, that override."""
+
+    @property
+    def unread_sections(self) -> tuple[str, ...]:
+        """Config sections this task never reads (``unused_keys`` with None): a change there (a moved
+        default) changes nothing it computes, so resuming and the refactor fingerprints ignore them."""
+        return tuple(section for section, keys in self.unused_keys.items() if keys is None)
+
     def check(self, cfg: Config, world_size: int) -> None:
         """Refuse what the task cannot do, before any data is read (ConfigError naming the key)."""
 
@@ -133,6 +144,22 @@ def register_task(name: str, task: Task, *, replace: bool = False) -> Task:
     task.name = name
     TASKS.add(name, task, origin_of=type(task), replace=replace)
     return task
+
+
+def unread_sections(name: str) -> tuple[str, ...]:
+    """``Task.unread_sections`` of task ``name`` (none for a task not registered here)."""
+    found = TASKS.find(name)
+    return found.unread_sections if found is not None else ()
+
+
+def task_rules(values: dict) -> tuple:
+    """The ``config_rules`` of the task a config's raw values name (``model.task``; "retrieval" when
+    unset), as ``config.build_config(rules=...)`` takes them; () for a name not registered (the
+    registry check names it next)."""
+    model = values.get("model")
+    name = model.get("task", "retrieval") if isinstance(model, dict) else "retrieval"
+    found = TASKS.find(name) if isinstance(name, str) else None
+    return (found.config_rules,) if found is not None else ()
 
 
 def get_task(name: str) -> Task:

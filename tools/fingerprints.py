@@ -30,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from gr_functional.config import migrate, unread_sections  # noqa: E402 - recorded configs are read as stored configs are
+from gr_functional.config import migrate  # noqa: E402 - recorded configs are read as stored configs are
+from gr_functional.task import unread_sections  # noqa: E402
 
 STORE = ROOT / "tests" / "fingerprints"
 

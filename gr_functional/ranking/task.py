@@ -34,6 +34,7 @@ import math
 import numpy as np
 
 from ..config import Config, ModelConfig
+from .config_rules import ranking_rules
 from ..data.batching import RankSplit
 from ..data.prefetch import PrefetchStats
 from ..embedding.lookup import EmbeddingHost
@@ -263,6 +264,9 @@ class RankingTask(Task):
     # [model] holds the retrieval HSTU (the ranking model is [ranking]); [loss] is retrieval's losses
     unused_keys = {"loss": None, "model": tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "task")}
     result_fields = {"task": "ranking"}
+
+    def config_rules(self, cfg: Config, fail) -> None:
+        ranking_rules(cfg, fail)
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_ranking_fits(cfg)

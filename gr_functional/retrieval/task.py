@@ -150,6 +150,13 @@ class RetrievalTask(Task):
     rng_generator = "numpy default_rng((train.seed, epoch, batch))"
     unused_keys = {"ranking": None, "data": ("split", "valid_start", "test_start", "test_end", "history_prefix")}
 
+    def config_rules(self, cfg: Config, fail) -> None:
+        ks = cfg.eval.ks
+        if not ks or any(k < 1 for k in ks):
+            fail("eval", "ks", "must be a non-empty list of cut-offs >= 1, e.g. [10, 50, 200]")
+        if 10 not in ks:
+            fail("eval", "ks", "must contain 10: the epoch is selected by validation HR@10")
+
     def prepare(self, cfg: Config, world_size: int) -> Prepared:
         data = load_sequences(cfg)
         cfg = resolve(cfg, data)
