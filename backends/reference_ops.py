@@ -41,7 +41,7 @@ class ReferenceOps:
     # (gr_functional imports no backend module).
     AttentionBias = AttentionBias
 
-    def _ext(self, x):
+    def append_zero_row(self, x):
         """Append one zero row so index ``T_cap`` (an empty cell) gathers zeros."""
         xp = self.xp
         return xp.concat([x, xp.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.array_device)], axis=0)
@@ -197,8 +197,8 @@ class ReferenceOps:
             rab = xp.reshape(self.gather_table(bias.pos_w, rel), (1, L, L))
         if bias.ts_w is not None:
             def gap():
-                ts_d = self.gather_rows(self._ext(bias.ts), layout.dense_index)          # [B, L]
-                q_d = self.gather_rows(self._ext(bias.query_ts), layout.dense_index)     # [B, L]
+                ts_d = self.gather_rows(self.append_zero_row(bias.ts), layout.dense_index)          # [B, L]
+                q_d = self.gather_rows(self.append_zero_row(bias.query_ts), layout.dense_index)     # [B, L]
                 return xp.abs(xp.reshape(q_d, (-1, L, 1)) - xp.reshape(ts_d, (-1, 1, L)))
 
             t_bias = self._time_bias(bias, "padded", gap)
@@ -251,7 +251,7 @@ class ReferenceOps:
 
     def _tile_cells(self, plan, x, pair):
         """Per-token ``x[T]`` -> per-pair cells ``[P, C]`` of the chunks ``pair[P]`` names."""
-        return self.xp.take(self.gather_rows(self._ext(x), plan.chunk_rows), pair, axis=0)
+        return self.xp.take(self.gather_rows(self.append_zero_row(x), plan.chunk_rows), pair, axis=0)
 
     def hstu_uvqk(self, x, w, splits: tuple[int, int, int, int]):
         """``SiLU(x[T, D] @ w[D, sum(splits)])`` split into (u, v, q, k) along the last axis."""
@@ -322,7 +322,7 @@ class ReferenceOps:
         H = q.shape[1]
 
         def dense(x):  # [T, H, d] -> [B, H, L, d]
-            return xp.permute_dims(self.gather_rows(self._ext(x), layout.dense_index), (0, 2, 1, 3))
+            return xp.permute_dims(self.gather_rows(self.append_zero_row(x), layout.dense_index), (0, 2, 1, 3))
 
         qd, kd, vd = dense(q), dense(k), dense(v)
         scores = xp.matmul(qd, xp.permute_dims(kd, (0, 1, 3, 2)))                # [B, H, L, L]
@@ -363,7 +363,7 @@ class ReferenceOps:
         # chunk-level gathers once, then whole-chunk blocks per pair: the index ops (and their
         # backward scatter-adds) move tile*d contiguous values per index instead of d
         def per_pair(x, pair):  # [T, H, d] -> [H, P, C, d], heads first: no per-pair transposes
-            heads = xp.permute_dims(self._ext(x), (1, 0, 2))                        # [H, T+1, d]
+            heads = xp.permute_dims(self.append_zero_row(x), (1, 0, 2))                        # [H, T+1, d]
             chunks = xp.take(heads, xp.reshape(plan.chunk_rows, (-1,)), axis=1)
             chunks = xp.reshape(chunks, (H, nc_cap + 1, C, x.shape[2]))
             return xp.take(chunks, pair, axis=1)

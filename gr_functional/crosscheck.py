@@ -30,6 +30,7 @@ from .retrieval.task import load_sequences, resolve
 from .runner import evaluate_checkpoint, for_evaluation, train
 from .runtime import make_backend
 from .tree import tree_items
+from .contracts import Backend
 
 FWD_TOL = 1e-6
 GRAD_TOL = 1e-5
@@ -90,7 +91,7 @@ class Report:
         return "\n".join(lines)
 
 
-def _run(B, params_np: dict, batch_np: HSTUBatch, cfg: Config):
+def _run(B: Backend, params_np: dict, batch_np: HSTUBatch, cfg: Config):
     params = B.asarray_tree(params_np)
     batch = B.asarray_tree(batch_np)
 

@@ -22,6 +22,7 @@ from .batch import HSTUBatch
 from .config import Config
 from .configure import load_config
 from .optim import resolve_schedule
+from .contracts import Backend
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ class Experiment:
 
         return make_host(self.cfg)
 
-    def evaluate(self, B, params, split: str = "valid", host=None) -> dict:
+    def evaluate(self, B: Backend, params, split: str = "valid", host=None) -> dict:
         """HR@K / NDCG@K / MRR (``eval.ks``) of ``params`` on the ``valid`` or ``test`` split,
         full-catalogue ranking as ``grf train`` evaluates (``host``: a hash table's)."""
         from .retrieval.task import evaluate

@@ -26,7 +26,7 @@ a file passed to ``grf train --plugin``)::
     from gr_functional import losses
 
     @losses.register("my_loss", negatives="sampled")
-    def my_loss(B, user, items, batch, cfg):
+    def my_loss(B: Backend, user, items, batch, cfg):
         ...
 
 and ``[loss] name = "my_loss"`` selects it; the name is written to config.toml and every
@@ -41,6 +41,7 @@ from .batch import HSTUBatch, NegativeKind, Negatives
 from .config import Config, choices
 from .errors import ConfigError
 from .registry import Registry
+from .contracts import Backend
 
 # A negative equal to the position's target (or the padding id) gets this logit: it drops out of
 # the softmax without a data-dependent shape (GR masks sampled collisions the same way).
@@ -115,7 +116,7 @@ def negatives_for(cfg: Config, popularity=None) -> Negatives:
 
 
 # ----------------------------------------------------------------------------- pieces
-def softmax_nll(B, pos, neg, masked, weights):
+def softmax_nll(B: Backend, pos, neg, masked, weights):
     """Weighted mean over positions of ``-log softmax([pos, neg])[0]``.
 
     pos[T] positive logits, neg[T, R] negative logits, masked[T, R] bool (those negatives are left
@@ -129,7 +130,7 @@ def softmax_nll(B, pos, neg, masked, weights):
     return xp.sum(nll * weights) / xp.maximum(total, xp.ones_like(total))
 
 
-def positive_logits(B, user, items, targets, temperature: float):
+def positive_logits(B: Backend, user, items, targets, temperature: float):
     """``<user_t, items[target_t]> / temperature`` for every position: ``[T]``."""
     return B.xp.sum(user * B.gather_table(items, targets), axis=-1) / temperature
 
@@ -137,7 +138,7 @@ def positive_logits(B, user, items, targets, temperature: float):
 SCALE_CHUNK_POSITIONS = 1024  # positions per gather when segment_scales reads rows instead of the table
 
 
-def _position_abs_max(B, items, ids):
+def _position_abs_max(B: Backend, items, ids):
     """``[T]``: the largest |value| of the rows ``ids[T, R]`` names in ``items[N, D]``. One pass
     over the table when it has at most T x R rows, else only the named rows, a chunk of positions
     at a time (a large catalogue is never scanned whole). Not differentiated."""
@@ -152,7 +153,7 @@ def _position_abs_max(B, items, ids):
     return xp.concat(parts) if len(parts) > 1 else parts[0]
 
 
-def segment_scales(B, items, ids, layout):
+def segment_scales(B: Backend, items, ids, layout):
     """``scale[T]``: for each position, the largest |value| among all the negative rows its jagged
     segment (its user sequence) reads, ``items[N, D]`` at ``ids[T, R]`` int32; 1 where that is 0
     (padding rows, all-zero rows). The 16-bit negatives divide by it, so each segment's largest
@@ -169,7 +170,7 @@ def segment_scales(B, items, ids, layout):
 
 # ----------------------------------------------------------------------------- shipped losses
 @register("sampled_softmax", negatives="sampled")
-def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
+def sampled_softmax(B: Backend, user, items, batch: HSTUBatch, cfg):
     """GR's sampled softmax: each position's target against its own R uniformly sampled items
     (``batch.negatives[T, R]``), logits cosine / temperature; a negative equal to the target is
     masked."""
@@ -185,7 +186,7 @@ def sampled_softmax(B, user, items, batch: HSTUBatch, cfg):
     return softmax_nll(B, pos, neg, hit, batch.weights)
 
 
-def shared_softmax(B, user, items, batch: HSTUBatch, cfg, logq=None):
+def shared_softmax(B: Backend, user, items, batch: HSTUBatch, cfg, logq=None):
     """Every position against the same R negatives ``batch.shared_negatives[R]``: the negative
     logits are one ``[T, D] x [D, R]`` product instead of a ``[T, R, D]`` gather, and the R rows
     are looked up once per batch (``B.shared_logsumexp``: torch never materialises the whole
@@ -208,7 +209,7 @@ def shared_softmax(B, user, items, batch: HSTUBatch, cfg, logq=None):
 
 
 @register("in_batch", negatives="in_batch")
-def in_batch(B, user, items, batch: HSTUBatch, cfg):
+def in_batch(B: Backend, user, items, batch: HSTUBatch, cfg):
     """In-batch negatives with shared logits (TurboGR's intra-batch logit sharing): every position
     is scored against the same R items, targets of other positions of the batch
     (``batch.shared_negatives[R]``), one ``[T, D] x [D, R]`` matmul. In-batch negatives follow the
@@ -218,7 +219,7 @@ def in_batch(B, user, items, batch: HSTUBatch, cfg):
 
 
 @register("shared_pool", negatives="pool")
-def shared_pool(B, user, items, batch: HSTUBatch, cfg):
+def shared_pool(B: Backend, user, items, batch: HSTUBatch, cfg):
     """One pool of R negatives per batch, drawn once from ``loss.sampler`` (uniform, or item
     popularity ** ``loss.popularity_alpha``) and shared by every position: one lookup of R rows
     and one ``[T, D] x [D, R]`` matmul, instead of GR's R private negatives per position (R row
@@ -228,7 +229,7 @@ def shared_pool(B, user, items, batch: HSTUBatch, cfg):
 
 
 @register("full_softmax", negatives="catalogue")
-def full_softmax(B, user, items, batch: HSTUBatch, cfg):
+def full_softmax(B: Backend, user, items, batch: HSTUBatch, cfg):
     """Softmax cross-entropy over the whole catalogue: each position's target against every
     other item (``batch.shared_negatives`` = 1..N, the target itself masked out of the negatives
     and counted once as the positive), logits cosine / temperature. No sampling, so no bias to
@@ -238,7 +239,7 @@ def full_softmax(B, user, items, batch: HSTUBatch, cfg):
 
 
 @register("mixed_pool", negatives="mixed")
-def mixed_pool(B, user, items, batch: HSTUBatch, cfg):
+def mixed_pool(B: Backend, user, items, batch: HSTUBatch, cfg):
     """Mixed negative sampling (Yang et al., WWW 2020): ``loss.batch_negatives`` targets of the
     batch (in-batch positives: popular items, hard for the model) plus a pool of
     ``loss.num_negatives`` drawn from ``loss.sampler`` (the long tail in-batch draws miss), shared by

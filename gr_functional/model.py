@@ -14,7 +14,7 @@ parameters) is three functions and one ``register_model`` call in a ``--plugin``
 loss, the scorer, checkpoints, resume, ``grf eval`` and ``grf report`` use it unchanged::
 
     @grf.model.register_model("my_hstu", init_params=my_init, param_shapes=my_shapes)
-    def my_encode(B, params, batch, cfg, trace=None):   # user[T, D], L2-normalised
+    def my_encode(B: Backend, params, batch, cfg, trace=None):   # user[T, D], L2-normalised
         ...
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .config import LossConfig, ModelConfig
 from .errors import ConfigError
 from .registry import Registry
 from .tree import tree_items
+from .contracts import Backend
 
 
 def param_shapes(cfg: ModelConfig, num_items: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -103,7 +104,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, num_items: int | None = None) -
     return params
 
 
-def hstu_block(B, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, trace: dict | None = None,
+def hstu_block(B: Backend, p: dict, x, batch: HSTUBatch, cfg: ModelConfig, keep=None, trace: dict | None = None,
                name: str = "block", memo: dict | None = None):
     """One HSTU block on x[T, D] -> [T, D]; ``keep[T, H*dv]`` is the dropout mask or None;
     ``memo``: the batch's index arrays shared by the blocks (``AttentionBias.memo``)."""
@@ -139,7 +140,7 @@ def trace_names(cfg: ModelConfig) -> list[str]:
     return names + ["output", "loss"]
 
 
-def encode(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
+def encode(B: Backend, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None):
     """User embeddings ``[T, D]`` (L2-normalised) at every position. ``trace``, if a dict, is
     filled with the named activations of every layer in forward order (used by crosscheck)."""
     xp = B.xp
@@ -235,7 +236,7 @@ def shape_disagreement(m: RetrievalModel, cfg: ModelConfig) -> str | None:
             f"so fix whichever of the two is wrong in the register_model call")
 
 
-def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None,
+def loss_fn(B: Backend, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | None = None,
             loss: LossConfig = LossConfig()):
     """Scalar training loss of a batch: the registered loss ``loss.name`` (losses.py; GR's sampled
     softmax by default) of the user embeddings (``model.name``'s encode) against the L2-normalised
@@ -248,12 +249,12 @@ def loss_fn(B, params: dict, batch: HSTUBatch, cfg: ModelConfig, trace: dict | N
     return value
 
 
-def score_last(B, params: dict, batch: HSTUBatch, cfg: ModelConfig):
+def score_last(B: Backend, params: dict, batch: HSTUBatch, cfg: ModelConfig):
     """Scores ``[B_cap, N+1]`` of every item for the last position of each sequence (dot product
     of L2-normalised user and item embeddings; column 0 is the padding id). Empty slots score 0."""
     xp = B.xp
     user = model_of(cfg).encode(B, params, batch, cfg)
-    last = B.gather_rows(B._ext(user), batch.layout.last_index)                              # [B, D]
+    last = B.gather_rows(B.append_zero_row(user), batch.layout.last_index)                              # [B, D]
     items = B.l2_normalize(params["item_emb"], cfg.l2_eps)
     return xp.matmul(last, xp.permute_dims(items, (1, 0)))
 

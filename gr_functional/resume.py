@@ -21,6 +21,7 @@ from .runlock import RunLocked
 from .step import dense_state, init_loss_scale
 from .task import unread_sections
 from .tree import tree_items
+from .contracts import Backend
 
 RESUME_MODES = ("auto", "must", "never")
 
@@ -140,7 +141,7 @@ def missing_host(ck: Checkpoint):
                           f"uses embedding.optimizer={ck.config.embedding.optimizer!r}; the file is incomplete")
 
 
-def restore_opt_state(B, opt_np: dict, cfg: Config) -> dict:
+def restore_opt_state(B: Backend, opt_np: dict, cfg: Config) -> dict:
     """The checkpoint's optimizer state on ``B``, with the fp16 loss scaler added or dropped to
     match ``backend.precision`` (a precision change on resume)."""
     opt_state = B.asarray_tree(opt_np)

@@ -53,6 +53,7 @@ from .optimizers import build as build_optimizer
 from .optimizers.schedules import learning_rate
 from .optimizers import init_loss_scale as _fresh_loss_scale
 from .tree import tree_items, tree_map
+from .contracts import Backend
 
 PRECISIONS = choices(Precision)
 TABLE = "item_emb"  # the parameter a row-sparse embedding optimizer updates by rows
@@ -68,7 +69,7 @@ def row_sparse(cfg: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- state
-def dense_optimizer(B, cfg: Config) -> GradientTransformation:
+def dense_optimizer(B: Backend, cfg: Config) -> GradientTransformation:
     """The dense parameters' optimizer: ``optim.name`` from the registry (gr_functional/optimizers),
     its learning rate the ``optim.schedule``. Its state is a dict with ``"step"`` (the update count,
     which the row-sparse table's schedule reads too) and its moments (AdamW: ``"mu"``, ``"nu"``).
@@ -77,7 +78,7 @@ def dense_optimizer(B, cfg: Config) -> GradientTransformation:
 
 
 @functools.lru_cache(maxsize=16)
-def _built_optimizer(B, optim) -> GradientTransformation:
+def _built_optimizer(B: Backend, optim) -> GradientTransformation:
     return build_optimizer(B, optim)
 
 
@@ -86,7 +87,7 @@ def dense_state(opt_state: dict) -> dict:
     return {k: v for k, v in opt_state.items() if k not in STEP_KEYS}
 
 
-def _dense_init(B, params: dict, cfg: Config) -> dict:
+def _dense_init(B: Backend, params: dict, cfg: Config) -> dict:
     state = dense_optimizer(B, cfg).init(B, params)
     if not isinstance(state, dict) or "step" not in state or set(state) & set(STEP_KEYS):
         raise ConfigError(f"optim.name={cfg.optim.name!r}: grf train keeps the optimizer state as a dict with a "
@@ -95,7 +96,7 @@ def _dense_init(B, params: dict, cfg: Config) -> dict:
     return dict(state)
 
 
-def init_opt_state(B, params: dict, cfg: Config) -> dict:
+def init_opt_state(B: Backend, params: dict, cfg: Config) -> dict:
     """The dense optimizer's state (``dense_optimizer``; AdamW: ``{"step", "mu", "nu"}``), plus for fp16 the dynamic loss
     scaler ``{"loss_scale": {"scale": fp32 scalar, "good_steps": fp32 scalar}}``. With a
     row-sparse embedding optimizer, the dense optimizer covers the dense parameters only and ``"rows"`` holds
@@ -119,7 +120,7 @@ def _dense(tree: dict) -> dict:
     return {k: v for k, v in tree.items() if k != TABLE}
 
 
-def init_loss_scale(B, cfg: Config) -> dict:
+def init_loss_scale(B: Backend, cfg: Config) -> dict:
     """fp16's dynamic loss scaler at ``train.loss_scale`` (``optimizers.loss_scale``)."""
     return _fresh_loss_scale(B, cfg.train.loss_scale)
 
@@ -149,7 +150,7 @@ def retrieval_objective(cfg: Config) -> Objective:
                      tokens=lambda B, batch: B.xp.sum(batch.weights), cast_batch=_cast_batch)
 
 
-def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
+def _cast_batch(B: Backend, batch: HSTUBatch, dtype: str) -> HSTUBatch:
     """Dropout masks in the compute dtype (they multiply activations; 1/(1-p) = 1.25 is exact in
     bf16/fp16). ``weights`` stay fp32: they weight the fp32 loss."""
     return dataclasses.replace(
@@ -158,7 +159,7 @@ def _cast_batch(B, batch: HSTUBatch, dtype: str) -> HSTUBatch:
         block_keep=None if batch.block_keep is None else B.cast(batch.block_keep, dtype))
 
 
-def _loss(B, params: dict, batch, scale, cfg: Config, objective: Objective | None = None):
+def _loss(B: Backend, params: dict, batch, scale, cfg: Config, objective: Objective | None = None):
     """``(loss * scale, loss)``: the (scaled) objective to differentiate and the fp32 loss
     (``objective``: the task's, default ``retrieval_objective``).
 
@@ -180,7 +181,7 @@ def _loss(B, params: dict, batch, scale, cfg: Config, objective: Objective | Non
     return (loss if scale is None else loss * scale), loss
 
 
-def untouched_frozen(B, view: dict, lookup) -> dict:
+def untouched_frozen(B: Backend, view: dict, lookup) -> dict:
     """``view`` (``local_params``) with the rows ``lookup`` did not touch cut from the gradient
     (``_loss`` says why)."""
     xp = B.xp
@@ -189,7 +190,7 @@ def untouched_frozen(B, view: dict, lookup) -> dict:
     return {**view, TABLE: xp.where(keep, rows, B.stop_gradient(rows))}
 
 
-def micro_grads(B, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
+def micro_grads(B: Backend, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
     """``(loss, tokens, grads)`` of one (micro-)batch: the fp32 mean loss, its supervised token
     count (``objective.tokens``: ``sum(weights)`` for retrieval) and the unscaled gradients (a
     tree like params, master dtype)."""
@@ -202,7 +203,7 @@ def micro_grads(B, params: dict, opt_state: dict, batch, cfg: Config, objective:
     return loss, objective.tokens(B, batch), grads
 
 
-def accumulate(B, acc, loss, tokens, grads):
+def accumulate(B: Backend, acc, loss, tokens, grads):
     """Running token-weighted sums ``(sum n_i loss_i, sum n_i, sum n_i g_i)`` (acc None = empty)."""
     if acc is None:
         return loss * tokens, tokens, tree_map(lambda g: g * tokens, grads)
@@ -210,7 +211,7 @@ def accumulate(B, acc, loss, tokens, grads):
     return a_loss + loss * tokens, a_tok + tokens, tree_map(lambda a, g: a + g * tokens, a_grads, grads)
 
 
-def finish(B, acc):
+def finish(B: Backend, acc):
     """``(loss, tokens, grads)`` of the union of the accumulated micro-batches: sums / total tokens
     (at least 1, as ``model.loss_fn`` divides by ``max(sum(weights), 1)``)."""
     xp = B.xp
@@ -219,7 +220,7 @@ def finish(B, acc):
     return a_loss / denom, a_tok, tree_map(lambda g: g / denom, a_grads)
 
 
-def update_health(B, params: dict, new_params: dict, new_adam: dict):
+def update_health(B: Backend, params: dict, new_params: dict, new_adam: dict):
     """``(update_finite, update_ratio)`` of a proposed update, both 0-d: every new parameter and
     optimizer-state element is finite, and ``||new - old|| / ||old||`` over all parameters
     (global L2 norms, fp32). A finite gradient can still give a non-finite update (``optim.lr``
@@ -237,7 +238,7 @@ def update_health(B, params: dict, new_params: dict, new_adam: dict):
     return finite, ratio
 
 
-def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None,
+def apply_update(B: Backend, params: dict, opt_state: dict, loss, tokens, grads, cfg: Config, lookup=None, view=None,
                  others_ok=None):
     """The guarded optimizer update (``dense_optimizer``; row-sparse rows by ``embedding.optimizer``)
     and the loss-scale update: ``(params, opt_state, metrics)``.
@@ -315,14 +316,14 @@ def apply_update(B, params: dict, opt_state: dict, loss, tokens, grads, cfg: Con
 
 
 
-def local_params(B, params: dict, lookup) -> dict:
+def local_params(B: Backend, params: dict, lookup) -> dict:
     """``params`` with the item table replaced by the step's rows ``[S, D]`` (``lookup.rows``;
     fresh rows at their initial value ``lookup.init``): what the model and its gradient see when
     the batch's ids are local indices."""
     return {**params, TABLE: looked_up_rows(B, params[TABLE], lookup)}
 
 
-def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):
+def sparse_update(B: Backend, row_state: dict, rows, grads, lookup, step, cfg: Config):
     """``(old_rows, new_rows, old_state, new_state)`` of the looked-up rows: the row-sparse
     optimizer (``embedding.optimizer``) at the scheduled learning rate of update ``step``
     (``embedding.lr`` as the base lr when set). Fresh rows start from a zero state."""
@@ -337,14 +338,14 @@ def sparse_update(B, row_state: dict, rows, grads, lookup, step, cfg: Config):
     return rows, new_rows, old_state, new_state
 
 
-def refresh_rows(B, table, row_state: dict, pending: list, rows, lookup):
+def refresh_rows(B: Backend, table, row_state: dict, pending: list, rows, lookup):
     """``rowopt.refresh_rows`` for a step's ``lookup`` (its rows and fresh flags) and ``rows[S, D]``,
     the step's view of its rows: ``(table, row_state, pending)``; donates table and row_state."""
     return rowopt.refresh_rows(B, table, row_state, pending, rows, lookup.rows, lookup.fresh)
 
 
 # ----------------------------------------------------------------------------- the step
-def train_step(B, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
+def train_step(B: Backend, params: dict, opt_state: dict, batch, cfg: Config, objective: Objective | None = None):
     """One optimizer step on ``batch`` (an ``HSTUBatch``, or the ``objective``'s batch type, or a
     list of micro-batches). Pure."""
     batches = list(batch) if isinstance(batch, (list, tuple)) else [batch]
@@ -361,7 +362,7 @@ def train_step(B, params: dict, opt_state: dict, batch, cfg: Config, objective: 
     return apply_update(B, params, opt_state, loss, tokens, grads, cfg, lookup=lookup, view=view)
 
 
-def make_train_step(B, cfg: Config, objective: Objective | None = None):
+def make_train_step(B: Backend, cfg: Config, objective: Objective | None = None):
     """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``.
 
     Computes ``train_step`` (of ``objective``, default the retrieval HSTU's). A single batch runs
@@ -406,7 +407,7 @@ def rank_scales(tokens, global_tokens: float, world_size: int) -> list[float]:
     return [float(n) * w for n in tokens]
 
 
-def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=None, last_vg=None,
+def rank_grads(B: Backend, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=None, last_vg=None,
                objective: Objective | None = None):
     """``(loss_part, grads_part)`` of this rank, before the SUM over ranks: ``sum_i scales[i] *
     loss_i`` (fp32 scalar) and the gradient of the same sum (a tree like params, unscaled).
@@ -435,7 +436,7 @@ def rank_grads(B, params: dict, opt_state: dict, micro, scales, cfg: Config, vg=
     return loss_part, acc
 
 
-def make_dist_train_step(B, cfg: Config, comm, objective: Objective | None = None):
+def make_dist_train_step(B: Backend, cfg: Config, comm, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens) -> (params, opt_state, metrics)``
     for one rank of a torch data-parallel run (``comm``: backends.dist_torch.TorchCollective) of
     ``objective`` (the task's; default the retrieval HSTU's, as ``make_train_step``).
@@ -484,7 +485,7 @@ def make_dist_train_step(B, cfg: Config, comm, objective: Objective | None = Non
     return step
 
 
-def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | None = None):
+def make_sharded_dist_step(B: Backend, cfg: Config, comm, table, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens, rows, pending, ahead=None)`` for one
     rank of a data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
     ``table``: this rank's ``embedding.sharding.ShardedTable``).
@@ -542,7 +543,7 @@ def make_sharded_dist_step(B, cfg: Config, comm, table, objective: Objective | N
 
 
 # ----------------------------------------------------------------------------- evaluation
-def score(B, params: dict, batch: HSTUBatch, cfg: Config):
+def score(B: Backend, params: dict, batch: HSTUBatch, cfg: Config):
     """``[B_cap, N+1]`` scores of every item at the last position of each history, computed in
     ``backend.precision`` (returned in the master dtype). Pure; ``make_scorer`` jits it."""
     precision = cfg.backend.precision
@@ -553,7 +554,7 @@ def score(B, params: dict, batch: HSTUBatch, cfg: Config):
     return B.cast(scores, B.dtype_name)
 
 
-def make_scorer(B, cfg: Config):
+def make_scorer(B: Backend, cfg: Config):
     """``scores = scorer(params, batch)`` -> [B_cap, N+1] for the last position of each history,
     computed in ``backend.precision`` (returned in the master dtype)."""
     return B.jit(partial(score, B, cfg=cfg))

@@ -19,6 +19,7 @@ from typing import Any
 from .config import Config
 from .errors import ConfigError
 from .registry import Registry
+from .contracts import Backend
 
 
 @dataclasses.dataclass
@@ -88,11 +89,11 @@ class Task:
         """Load and check the data, complete ``cfg`` from it, build the training loader."""
         raise NotImplementedError
 
-    def fresh(self, B, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
         """The parameters of a fresh run (initialised in numpy from ``train.seed``) on ``B``."""
         raise NotImplementedError
 
-    def restore(self, B, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
         """The parameters and tables of ``checkpoint`` (``checkpoint.Checkpoint``) on ``B``."""
         raise NotImplementedError
 
@@ -101,12 +102,12 @@ class Task:
         gathers its shards); None when there is nothing."""
         return None
 
-    def steps(self, B, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
         """The step runner: ``batches(epoch, start, limit)`` and ``run(params, opt_state, micro,
         step, epoch) -> (params, opt_state, hooks.StepResult)``."""
         raise NotImplementedError
 
-    def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
         """The evaluation hook (``hooks.Evaluation``) of the run."""
         raise NotImplementedError
 
@@ -120,7 +121,7 @@ class Task:
         against them); ``host_state``: the checkpoint's host tables."""
         raise NotImplementedError
 
-    def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
+    def evaluate_checkpoint(self, B: Backend, cfg: Config, checkpoint, split: str) -> dict:
         """``grf eval``: the metrics of ``checkpoint``'s params (and host tables) on ``split``
         ("valid" | "test"), with ``cfg`` (its config, maybe on another backend)."""
         raise NotImplementedError

@@ -22,7 +22,7 @@ def is_static(field: dataclasses.Field) -> bool:
     return bool(field.metadata.get("static", False))
 
 
-def tree_map(fn: Callable[[Any], Any], tree: Any, *rest: Any) -> Any:
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """Apply ``fn`` leaf-wise over one or more trees of the same structure."""
     if tree is None:
         return None

@@ -26,6 +26,7 @@ import numpy as np
 
 from .hashtable import HashTable, hashed_init, mix64
 from .lookup import local_indexer, looked_up_rows, padded_lookup, unique_ids
+from ..contracts import Backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +131,14 @@ class EmbeddingCollection:
         return lookups, local
 
 
-def group_rows(B, tables: dict, lookups: dict) -> dict:
+def group_rows(B: Backend, tables: dict, lookups: dict) -> dict:
     """Per group, the step's rows ``[S, D]``: ONE ``gather_rows`` of its table (fresh rows at
     their initial value). This is what a step differentiates and a row-sparse optimizer updates
     (as ``step.local_params`` does for the item table). ``tables``: group name -> ``[rows, D]``."""
     return {name: looked_up_rows(B, tables[name], lk) for name, lk in lookups.items()}
 
 
-def feature_rows(B, rows: dict, local: dict, group_of: dict) -> dict:
+def feature_rows(B: Backend, rows: dict, local: dict, group_of: dict) -> dict:
     """``{feature: [..., D]}``: each feature's rows from its group's step rows by its local
     indices (``group_of``: feature -> group name, ``EmbeddingCollection.group_names``). The
     gradient of a group row sums every feature and position that used it."""

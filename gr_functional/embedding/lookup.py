@@ -34,6 +34,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..jagged import round_up_capacity
 from .hashtable import HashTable, hashed_init
+from ..contracts import Backend
 
 # Ids are deduplicated and localised with arrays indexed by id (linear time) when the largest id
 # is small against the work (a catalogue like ML-1M's); otherwise by sorting (any int64 id).
@@ -87,7 +88,7 @@ def padded_lookup(rows: np.ndarray, fresh: np.ndarray, init: np.ndarray, dim: in
     return Lookup(out_rows, out_rows > 0, out_fresh, out_init)
 
 
-def looked_up_rows(B, table, lookup: Lookup):
+def looked_up_rows(B: Backend, table, lookup: Lookup):
     """``[S, D]``: ONE gather of a step's rows from ``table`` (fresh rows at their initial value):
     what a step differentiates and a row-sparse optimizer updates."""
     xp = B.xp

@@ -35,6 +35,7 @@ from __future__ import annotations
 from ..config import OptimConfig
 from ..optimizers.rowwise import lazy_adam_rows, rowwise_adagrad_rows
 from ..tree import tree_map
+from ..contracts import Backend
 
 ROW_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")
 
@@ -44,7 +45,7 @@ def _check(name: str) -> None:
         raise ValueError(f"unknown row-sparse optimizer {name!r}; one of {', '.join(ROW_OPTIMIZERS)}")
 
 
-def init_row_state(B, name: str, num_rows: int, dim: int) -> dict:
+def init_row_state(B: Backend, name: str, num_rows: int, dim: int) -> dict:
     """Zero state for a table of ``num_rows`` rows of width ``dim`` (master dtype)."""
     _check(name)
     xp, f = B.xp, B.float_dtype
@@ -54,17 +55,17 @@ def init_row_state(B, name: str, num_rows: int, dim: int) -> dict:
     return {"acc": zeros(num_rows)}
 
 
-def gather_state(B, state: dict, rows) -> dict:
+def gather_state(B: Backend, state: dict, rows) -> dict:
     """Each state leaf at ``rows[U]`` int32 -> ``[U, ...]``."""
     return tree_map(lambda s: B.gather_rows(s, rows), state)
 
 
-def scatter_state(B, state: dict, rows, new: dict) -> dict:
+def scatter_state(B: Backend, state: dict, rows, new: dict) -> dict:
     """``state`` with ``new``'s rows written at ``rows`` (``B.set_rows``: donates ``state``)."""
     return tree_map(lambda s, n: B.set_rows(s, rows, n), state, new)
 
 
-def reset_rows(B, state: dict, rows) -> dict:
+def reset_rows(B: Backend, state: dict, rows) -> dict:
     """``state`` with every leaf zero at ``rows[U]`` int32 (rows re-initialised: newly inserted or
     taken from an evicted id); other rows unchanged. Rows may repeat. Donates ``state``
     (``B.set_rows``)."""
@@ -73,7 +74,7 @@ def reset_rows(B, state: dict, rows) -> dict:
                                                            device=B.array_device)), state)
 
 
-def row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
+def row_update(B: Backend, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
     """``(new_values[U, D], new_state_rows)`` of the gathered rows (module docstring formulas);
     untouched slots unchanged. Runs the backend's row kernel (``ops.row_update``:
     ``reference_row_update``, or fbgemm's fused TBE update, backends/row_kernels.py)."""
@@ -81,7 +82,7 @@ def row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: 
     return B.row_update(name, values, grads, state_rows, touched, lr, cfg)
 
 
-def reference_row_update(B, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
+def reference_row_update(B: Backend, name: str, values, grads, state_rows: dict, touched, lr, cfg: OptimConfig):
     """``row_update`` as plain ``B.xp`` array code: the oracle of every row kernel."""
     _check(name)
     xp = B.xp
@@ -96,7 +97,7 @@ def reference_row_update(B, name: str, values, grads, state_rows: dict, touched,
     return xp.where(keep, values - delta, values), {"acc": xp.where(touched, acc, state_rows["acc"])}
 
 
-def init_pending(B, k: int, dim: int) -> list:
+def init_pending(B: Backend, k: int, dim: int) -> list:
     """k empty pending row updates ``{"rows": [1] int32 (0: no row), "grads": [1, dim]}``, oldest
     first (``embedding.staleness = k``): each step appends its own and applies the oldest."""
     xp = B.xp
@@ -104,7 +105,7 @@ def init_pending(B, k: int, dim: int) -> list:
              "grads": xp.zeros((1, dim), dtype=B.float_dtype, device=B.array_device)} for _ in range(k)]
 
 
-def refresh_rows(B, table, state: dict, pending: list, values, rows, fresh):
+def refresh_rows(B: Backend, table, state: dict, pending: list, values, rows, fresh):
     """Semi-asynchronous updates (``embedding.staleness``): the rows a step looked up,
     ``rows[U]`` int32, take ``values[U, D]`` (the step's view of them: fresh rows at their initial
     value) and fresh rows (``fresh[U]`` bool: new ids, evicted rows given to another id) a zero

@@ -41,6 +41,7 @@ from ..tree import tree_map
 from . import rowopt
 from .hashtable import HashTable, hashed_init, mix64
 from .lookup import EmbeddingHost, dense_init_rows
+from ..contracts import Backend
 
 _OWNER_SALT = np.uint64(0x2545F4914F6CDD1D)
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -81,7 +82,7 @@ def _hop(comm, ids: np.ndarray, dest: np.ndarray, world: int) -> Hop:
     return Hop(order, send, recv, unique, inverse.reshape(-1))
 
 
-def encode(B, rows, precision: str):
+def encode(B: Backend, rows, precision: str):
     """``(payload, scale)``: rows ``[n, D]`` as 16-bit values of ``rows / scale`` (``scale[n]`` =
     the row's max |value|, 1 for a zero row), the payload viewed as int16 so any transport
     carries it; fp32 sends the rows themselves (scale None)."""
@@ -94,7 +95,7 @@ def encode(B, rows, precision: str):
     return B.bitcast(low, "int16"), scale
 
 
-def decode(B, payload, scale, precision: str):
+def decode(B: Backend, payload, scale, precision: str):
     """Inverse of ``encode`` (fp32 rows)."""
     if precision == "fp32":
         return payload
@@ -122,7 +123,7 @@ class ShardedTable:
     rows; of a dense table ``num_items // R + 2``. New rows start as the unsharded table's would
     (``hashed_init`` of the id, or ``dense_rows[id]``), so sharded == unsharded."""
 
-    def __init__(self, B, comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
+    def __init__(self, B: Backend, comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
                  policy: str = "lru", min_count: int = 1, optimizer: str = "lazy_adam", dense_rows=None,
                  node_size: int = 0, hierarchical: bool = False, precision: str = "fp32", staleness: int = 0):
         R = comm.world_size
@@ -493,7 +494,7 @@ class ShardedTable:
 
 
 # ----------------------------------------------------------------------------- runs and checkpoints
-def make_sharded(B, cfg, comm, dense_rows=None, dim: int | None = None, num_items: int | None = None) -> ShardedTable:
+def make_sharded(B: Backend, cfg, comm, dense_rows=None, dim: int | None = None, num_items: int | None = None) -> ShardedTable:
     """This rank's shard for ``cfg.embedding`` (``sharding = "row"``); ``dense_rows``: the dense
     table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given).
     ``dim`` / ``num_items``: the table's (default the retrieval HSTU's ``model.embed_dim`` /
@@ -536,7 +537,7 @@ def assemble_table(cfg, shards: list, dim: int | None = None, num_items: int | N
     return table, host
 
 
-def gathered_view(B, cfg, comm, shard: ShardedTable, dim: int | None = None, num_items: int | None = None):
+def gathered_view(B: Backend, cfg, comm, shard: ShardedTable, dim: int | None = None, num_items: int | None = None):
     """``view(run) -> (params, host)`` for ``hooks.Evaluation``, called on every rank: the shards
     gathered to rank 0 as one table (``assemble_table``; ``dim`` / ``num_items`` as there) in the
     run's params as ``"item_emb"`` (step.TABLE) with its host; (None, None) on the other ranks."""

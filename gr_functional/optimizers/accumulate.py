@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..tree import tree_map
 from .transform import GradientTransformation, as_transform, counter, no_updates, select
+from ..contracts import Backend
 
 
 def multi_steps(tx, every_k: int, *, use_mean: bool = True) -> GradientTransformation:
@@ -27,10 +28,10 @@ def multi_steps(tx, every_k: int, *, use_mean: bool = True) -> GradientTransform
     tx = as_transform(tx)
     k = int(every_k)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return {"mini_step": counter(B), "acc": tree_map(B.xp.zeros_like, params), "inner": tx.init(B, params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         xp = B.xp
         acc = tree_map(lambda a, g: a + g, state["acc"], updates)
         mini = state["mini_step"] + 1.0

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from ..tree import tree_map
 from .transform import GradientTransformation, all_finite, as_transform, no_updates, select
+from ..contracts import Backend
 
 
-def init_loss_scale(B, initial_scale: float = 65536.0) -> dict:
+def init_loss_scale(B: Backend, initial_scale: float = 65536.0) -> dict:
     """``{"scale": initial_scale, "good_steps": 0}``, 0-d fp32 (``train.loss_scale``)."""
     f32 = B.xp.float32
     return {"scale": B.asarray(float(initial_scale), dtype=f32), "good_steps": B.asarray(0.0, dtype=f32)}
 
 
-def update_loss_scale(B, state: dict, grads_finite, applied=None, window: int = 2000) -> dict:
+def update_loss_scale(B: Backend, state: dict, grads_finite, applied=None, window: int = 2000) -> dict:
     """The next loss-scale state (module docstring). ``grads_finite``, ``applied``: 0-d bools
     (``applied`` defaults to ``grads_finite``); ``window``: ``train.loss_scale_window``."""
     xp = B.xp
@@ -38,7 +39,7 @@ def update_loss_scale(B, state: dict, grads_finite, applied=None, window: int = 
     return {"scale": new_scale, "good_steps": new_good}
 
 
-def unscale(B, grads, state: dict):
+def unscale(B: Backend, grads, state: dict):
     """Gradients of the scaled loss divided by the scale (exact: a power of two)."""
     scale = state["scale"]
     return tree_map(lambda g: g / scale, grads)
@@ -52,10 +53,10 @@ def dynamic_loss_scaling(tx, initial_scale: float = 65536.0, window: int = 2000)
     scale to multiply its loss."""
     tx = as_transform(tx)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return {"loss_scale": init_loss_scale(B, initial_scale), "inner": tx.init(B, params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         grads = unscale(B, updates, state["loss_scale"])
         finite = all_finite(B, grads)
         new_updates, new_inner = tx.update(B, grads, state["inner"], params)

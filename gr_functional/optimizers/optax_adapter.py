@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..registry import did_you_mean
 from .schedules import as_optax_schedule
 from .transform import GradientTransformation
+from ..contracts import Backend
 
 # optax keyword -> OptimConfig field: what "optax:NAME" passes when NAME's signature takes it
 CONFIG_KWARGS = {"b1": "beta1", "b2": "beta2", "eps": "eps", "weight_decay": "weight_decay",
@@ -28,7 +29,7 @@ CONFIG_KWARGS = {"b1": "beta1", "b2": "beta2", "eps": "eps", "weight_decay": "we
                  "initial_accumulator_value": "initial_accumulator"}
 
 
-def require_jax(B, what: str) -> None:
+def require_jax(B: Backend, what: str) -> None:
     """``ValueError`` naming the backend unless ``B`` is the JAX backend."""
     name = getattr(B, "name", type(B).__name__)
     if name != "jax":
@@ -44,11 +45,11 @@ def from_optax(tx) -> GradientTransformation:
         raise TypeError(f"from_optax needs an optax.GradientTransformation, got {tx!r}")
     what = f"from_optax({type(tx).__name__})"
 
-    def init(B, params):
+    def init(B: Backend, params):
         require_jax(B, what)
         return tx.init(params)
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         require_jax(B, what)
         return tx.update(updates, state, params)
 
@@ -96,7 +97,7 @@ def optax_reads(name: str) -> tuple[str, ...] | None:
     return tuple(field for k, field in CONFIG_KWARGS.items() if k in params)
 
 
-def build_optax(B, name: str, cfg, learning_rate) -> GradientTransformation:
+def build_optax(B: Backend, name: str, cfg, learning_rate) -> GradientTransformation:
     """``optax.NAME(learning_rate=..., **matching)`` with a state ``grf train`` checkpoints
     (``with_dict_state``): the schedule shifted to optax's 0-based count
     (``schedules.as_optax_schedule``), and of ``CONFIG_KWARGS`` those NAME takes."""
@@ -158,10 +159,10 @@ def with_dict_state(tx) -> GradientTransformation:
 
     base = from_optax(tx)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return {"step": B.xp.asarray(0, dtype=B.xp.int32), "optax": _as_dict(base.init(B, params))}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         template = jax.eval_shape(tx.init, updates)
         new_updates, inner = base.update(B, updates, _from_dict(state["optax"], template), params)
         return new_updates, {"step": state["step"] + 1, "optax": _as_dict(inner)}

@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple
 from ..tree import tree_map
 from .schedules import learning_rate_at
 from .transform import GradientTransformation, counter
+from ..contracts import Backend
 
 
 class Rule(NamedTuple):
@@ -42,11 +43,11 @@ class Rule(NamedTuple):
 
 # ----------------------------------------------------------------------------- rules
 def adam_rule(b1: float, b2: float, eps: float) -> Rule:
-    def init(B, params):
+    def init(B: Backend, params):
         xp = B.xp
         return {"mu": tree_map(xp.zeros_like, params), "nu": tree_map(xp.zeros_like, params)}
 
-    def direction(B, grads, moments, step):
+    def direction(B: Backend, grads, moments, step):
         xp = B.xp
         # the expressions and their order are the first AdamW's (optim_oracle.py): bitwise the same numbers
         mu = tree_map(lambda m, g: b1 * m + (1.0 - b1) * g, moments["mu"], grads)
@@ -60,11 +61,11 @@ def adam_rule(b1: float, b2: float, eps: float) -> Rule:
 
 
 def rss_rule(initial_accumulator_value: float, eps: float) -> Rule:
-    def init(B, params):
+    def init(B: Backend, params):
         xp = B.xp
         return {"sum_of_squares": tree_map(lambda p: xp.full_like(p, initial_accumulator_value), params)}
 
-    def direction(B, grads, moments, step):
+    def direction(B: Backend, grads, moments, step):
         xp = B.xp
         acc = tree_map(lambda g, s: g * g + s, grads, moments["sum_of_squares"])
         # s' == 0 (a zero start and zero gradients so far): no step rather than 0 / sqrt(eps)
@@ -75,10 +76,10 @@ def rss_rule(initial_accumulator_value: float, eps: float) -> Rule:
 
 
 def trace_rule(decay: float, nesterov: bool = False) -> Rule:
-    def init(B, params):
+    def init(B: Backend, params):
         return {"trace": tree_map(B.xp.zeros_like, params)}
 
-    def direction(B, grads, moments, step):
+    def direction(B: Backend, grads, moments, step):
         new = tree_map(lambda g, t: g + decay * t, grads, moments["trace"])
         d = tree_map(lambda g, t: g + decay * t, grads, new) if nesterov else new
         return d, {"trace": new}
@@ -87,10 +88,10 @@ def trace_rule(decay: float, nesterov: bool = False) -> Rule:
 
 
 def lion_rule(b1: float, b2: float) -> Rule:
-    def init(B, params):
+    def init(B: Backend, params):
         return {"mu": tree_map(B.xp.zeros_like, params)}
 
-    def direction(B, grads, moments, step):
+    def direction(B: Backend, grads, moments, step):
         xp = B.xp
         d = tree_map(lambda g, m: xp.sign((1.0 - b1) * g + b1 * m), grads, moments["mu"])
         mu = tree_map(lambda g, m: (1.0 - b2) * g + b2 * m, grads, moments["mu"])
@@ -108,10 +109,10 @@ def no_rule() -> Rule:
 def direction_transform(rule: Rule) -> GradientTransformation:
     """The rule's direction as the updates (no learning rate, no sign): a chainable block.
     State ``{"step", **moments}``."""
-    def init(B, params):
+    def init(B: Backend, params):
         return {"step": counter(B), **rule.init(B, params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         step = state["step"] + 1.0
         d, moments = rule.direction(B, updates, {k: v for k, v in state.items() if k != "step"}, step)
         return d, {"step": step, **moments}
@@ -127,10 +128,10 @@ def descent(rule: Rule, learning_rate, weight_decay: float = 0.0, *, decay_alway
     ``decay_always``: AdamW keeps ``d + 0.0 * p`` to stay bitwise the step's first AdamW (tests/differential/optim_oracle.py)."""
     with_decay = decay_always or weight_decay != 0.0
 
-    def init(B, params):
+    def init(B: Backend, params):
         return {"step": counter(B), **rule.init(B, params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         if with_decay and params is None:
             raise ValueError(f"{name} with weight decay needs params: call update(B, updates, state, params)")
         step = state["step"] + 1.0

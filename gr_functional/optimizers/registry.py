@@ -29,6 +29,7 @@ from ..registry import Registry
 from . import optimizers as opt
 from .schedules import from_config
 from .transform import GradientTransformation, is_optax
+from ..contracts import Backend
 
 if TYPE_CHECKING:
     from ..config import OptimConfig
@@ -115,7 +116,7 @@ def optax_refusal(name: str, backend: str) -> str:
             f"{backend!r}); set backend.name=jax, or optim.name to one of {', '.join(names())}")
 
 
-def build(B, optim_cfg) -> GradientTransformation:
+def build(B: Backend, optim_cfg) -> GradientTransformation:
     """The transform of ``optim_cfg.name`` (an ``OptimConfig``, or a ``Config``) with its schedule,
     for backend ``B``. ConfigError naming ``optim.name`` for an unknown name or an optax name off
     JAX."""

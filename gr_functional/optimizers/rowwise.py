@@ -23,6 +23,7 @@ from __future__ import annotations
 from ..tree import tree_map
 from .schedules import learning_rate_at
 from .transform import GradientTransformation, counter
+from ..contracts import Backend
 
 
 # ----------------------------------------------------------------------------- the formulas, once
@@ -49,24 +50,24 @@ def rowwise_adagrad_rows(xp, g, acc, p, lr, eps: float, weight_decay: float):
     return lr * g2 / (xp.reshape(xp.sqrt(new_acc), (-1, 1)) + eps), new_acc
 
 
-def _touched(B, g):
+def _touched(B: Backend, g):
     """``[N]`` bool: rows of ``g[N, D]`` with a non-zero element."""
     return B.xp.any(g != 0, axis=1)
 
 
-def _rows_only(B, u, touched):
+def _rows_only(B: Backend, u, touched):
     xp = B.xp
     return xp.where(xp.reshape(touched, (-1, 1)), u, -xp.zeros_like(u))
 
 
 def rowwise_adagrad(learning_rate, eps: float = 1e-8, weight_decay: float = 0.0) -> GradientTransformation:
     """Row-wise Adagrad over ``[N, D]`` leaves (module docstring). State ``{"step", "acc"}``."""
-    def init(B, params):
+    def init(B: Backend, params):
         xp = B.xp
         return {"step": counter(B), "acc": tree_map(lambda p: xp.zeros((p.shape[0],), dtype=p.dtype,
                                                                        device=B.array_device), params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         xp = B.xp
         if weight_decay and params is None:
             raise ValueError("rowwise_adagrad with weight decay needs params")
@@ -90,12 +91,12 @@ def lazy_adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e
               weight_decay: float = 0.0) -> GradientTransformation:
     """Lazy (row-sparse) AdamW over ``[N, D]`` leaves (module docstring). State ``{"step", "m",
     "v", "t"}``; needs ``params`` (decoupled weight decay, computed as rowopt does)."""
-    def init(B, params):
+    def init(B: Backend, params):
         xp = B.xp
         return {"step": counter(B), "m": tree_map(xp.zeros_like, params), "v": tree_map(xp.zeros_like, params),
                 "t": tree_map(lambda p: xp.zeros((p.shape[0],), dtype=p.dtype, device=B.array_device), params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         xp = B.xp
         if params is None:
             raise ValueError("lazy_adam needs params: call update(B, updates, state, params)")

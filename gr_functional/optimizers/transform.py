@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from ..tree import tree_items, tree_map
+from ..contracts import Backend
 
 Params = Any      # a tree of arrays
 Updates = Any     # a tree like params
@@ -75,7 +76,7 @@ def map_tree(fn: Callable, tree: Any, *rest: Any) -> Any:
     return tree_map(fn, tree, *rest)   # dataclasses (static fields kept) and leaves
 
 
-def select(B, ok, new: Any, old: Any) -> Any:
+def select(B: Backend, ok, new: Any, old: Any) -> Any:
     """``new`` where the 0-d bool ``ok`` holds, else ``old``, leaf by leaf (``xp.where``: NaNs in
     the branch not taken are harmless, and it jits). Non-array leaves (Python numbers) of ``new``
     are kept."""
@@ -83,7 +84,7 @@ def select(B, ok, new: Any, old: Any) -> Any:
     return map_tree(lambda n, o: xp.where(ok, n, o) if hasattr(n, "shape") else n, new, old)
 
 
-def all_finite(B, tree: Any):
+def all_finite(B: Backend, tree: Any):
     """0-d bool: every element of every array leaf of ``tree`` is finite (``True`` for none)."""
     xp = B.xp
     ok = None
@@ -95,20 +96,20 @@ def all_finite(B, tree: Any):
     return B.asarray(True) if ok is None else ok
 
 
-def no_updates(B, updates: Updates) -> Updates:
+def no_updates(B: Backend, updates: Updates) -> Updates:
     """``-0.0`` like every leaf of ``updates``: the update that leaves every parameter bit-identical
     (module docstring)."""
     xp = B.xp
     return tree_map(lambda u: -xp.zeros_like(u), updates)
 
 
-def counter(B):
+def counter(B: Backend):
     """A fresh 0-d update counter: ``0.0`` in the master dtype."""
     return B.asarray(0.0, dtype=B.float_dtype)
 
 
 # ----------------------------------------------------------------------------- applying
-def apply_updates(B, params: Params, updates: Updates) -> Params:
+def apply_updates(B: Backend, params: Params, updates: Updates) -> Params:
     """``p + u`` per leaf, cast back to ``p``'s dtype (optax.apply_updates); ``None`` leaves of
     ``params`` stay ``None``."""
     xp = B.xp
@@ -128,7 +129,7 @@ def identity() -> GradientTransformation:
 
 def scale(factor: float) -> GradientTransformation:
     """``u * factor`` (a Python number); empty state."""
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         return tree_map(lambda u: u * factor, updates), state
 
     return GradientTransformation(lambda B, params: (), update)
@@ -137,10 +138,10 @@ def scale(factor: float) -> GradientTransformation:
 def scale_by_schedule(schedule: Callable) -> GradientTransformation:
     """``u * schedule(xp, t)`` with ``t`` the 1-based update number (``schedules``: the convention
     of ``schedules.learning_rate``; optax calls its schedules with ``t - 1``). State ``{"step"}``."""
-    def init(B, params):
+    def init(B: Backend, params):
         return {"step": counter(B)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         step = state["step"] + 1.0
         factor = schedule(B.xp, step)
         return tree_map(lambda u: u * factor, updates), {"step": step}
@@ -159,7 +160,7 @@ def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> Gradient
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """``u + weight_decay * p`` (decoupled weight decay when it comes before the learning rate, as
     in optax.adamw); needs ``params``. Empty state."""
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(B, updates, state, params)")
         return tree_map(lambda u, p: u + weight_decay * p, updates, params), state
@@ -173,10 +174,10 @@ def chain(*txs) -> GradientTransformation:
     states (checkpoint paths ``0.…``, ``1.…``)."""
     txs = tuple(as_transform(t) for t in txs)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return tuple(t.init(B, params) for t in txs)
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         new_state = []
         for t, s in zip(txs, state):
             updates, s = t.update(B, updates, s, params)
@@ -210,13 +211,13 @@ def partition(transforms: dict, labels_fn) -> GradientTransformation:
             raise ValueError(f"partition: labels {unknown} have no transform (transforms for: "
                              f"{', '.join(map(str, transforms))})")
 
-    def init(B, params):
+    def init(B: Backend, params):
         labels = _labels(labels_fn, params)
         check(labels)
         return {lab: t.init(B, _hide(params, tree_map(lambda l, lab=lab: l == lab, labels)))
                 for lab, t in transforms.items()}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         labels = _labels(labels_fn, updates)
         check(labels)
         outs, new_state = {}, {}
@@ -238,10 +239,10 @@ def masked(tx, mask) -> GradientTransformation:
     nothing for masked-out leaves."""
     tx = as_transform(tx)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return tx.init(B, _hide(params, _labels(mask, params)))
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         keep = _labels(mask, updates)
         inner, state = tx.update(B, _hide(updates, keep), state, None if params is None else _hide(params, keep))
         return tree_map(lambda u, i, k: i if k else u, updates, inner, keep), state
@@ -260,11 +261,11 @@ def apply_if_finite(tx, max_consecutive_errors: int | None = None) -> GradientTr
     ``xp.where`` (optax uses ``lax.cond``), so it jits on JAX and never syncs on torch."""
     tx = as_transform(tx)
 
-    def init(B, params):
+    def init(B: Backend, params):
         return {"notfinite_count": counter(B), "last_finite": B.asarray(True),
                 "total_notfinite": counter(B), "inner": tx.init(B, params)}
 
-    def update(B, updates, state, params=None):
+    def update(B: Backend, updates, state, params=None):
         xp = B.xp
         finite = all_finite(B, updates)
         bad = state["notfinite_count"] + 1.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from ..contracts import Backend
 
 
 def gr_time_bucket_cap(dim: int) -> int:
@@ -51,7 +52,7 @@ def time_buckets(timestamps, offsets, cap: int) -> np.ndarray:
     return np.clip(tau, 0, cap).astype(np.int32)
 
 
-def add_position_time(B, tok, pos_idx, time_idx, pos_table, time_table):
+def add_position_time(B: Backend, tok, pos_idx, time_idx, pos_table, time_table):
     """``sqrt(D) * tok[T, D] + pos_table[pos_idx] + time_table[time_idx]`` (indices ``[T]`` int32)."""
     scale = math.sqrt(tok.shape[1])
     return tok * scale + (B.gather_table(pos_table, pos_idx) + B.gather_table(time_table, time_idx))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .tokens import affine_layer_norm, swish_layer_norm
+from ..contracts import Backend
 
 TIME_PERIODS = ((3600, 24), (86400, 7))
 TASK_LOSS_WEIGHT = 0.2          # GR's causal_multitask_weights, multiplying every task's mean BCE
@@ -33,13 +34,13 @@ def time_features(timestamps, periods=TIME_PERIODS) -> np.ndarray:
     return np.stack([np.cos(theta), np.sin(theta)], axis=-1).reshape(len(t), -1).astype(np.float32)
 
 
-def postprocess(B, p: dict, x, feats):
+def postprocess(B: Backend, p: dict, x, feats):
     """``LN(concat[x, feats] @ w + b)``: x[n, D], feats[n, F] -> [n, D] (GR's time-aware postprocessor)."""
     xp = B.xp
     return affine_layer_norm(B, xp.matmul(xp.concat([x, feats], axis=1), p["w"]) + p["b"], p["ln_w"], p["ln_b"])
 
 
-def multitask_logits(B, p: dict, user, item):
+def multitask_logits(B: Backend, p: dict, user, item):
     """``[n, K]`` logits: ``SwishLN((user * item) @ w1 + b1) @ w2 + b2``."""
     xp = B.xp
     h = swish_layer_norm(B, xp.matmul(user * item, p["w1"]) + p["b1"], p["sw_w"], p["sw_b"])
@@ -52,7 +53,7 @@ def task_labels(bitmask, weights) -> np.ndarray:
     return ((m & np.asarray(weights, np.int64)[None, :]) > 0).astype(np.float32)
 
 
-def multitask_loss(B, logits, labels, mask, weight: float = TASK_LOSS_WEIGHT):
+def multitask_loss(B: Backend, logits, labels, mask, weight: float = TASK_LOSS_WEIGHT):
     """``(total, per_task[K])``: each task's mean BCE-with-logits over the candidates ``mask[n]``
     (1 real, 0 padding) times ``weight``, summed over tasks."""
     xp = B.xp

@@ -26,6 +26,7 @@ from .encoding import add_position_time, position_indices, time_buckets
 from .heads import multitask_logits, multitask_loss, postprocess, task_labels, time_features
 from .stu import init_stu_params, stu_layer
 from .tokens import action_bits, assemble, assembly_index, contextual_tokens, init_tower, tower
+from ..contracts import Backend
 
 ACTION_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 TASKS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
@@ -289,7 +290,7 @@ def make_ranking_batch(seqs, users, cfg: RankingModelConfig, rng: np.random.Gene
         cand_mask=fill(np.ones(len(cand_rows), np.float32), c_cap), input_keep=input_keep, block_keep=block_keep)
 
 
-def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> dict:
+def _lookup(B: Backend, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> dict:
     """Every id embedding of the batch with ONE gather per physical table: ``{"items": [n, E],
     "candidates": [c, E], "context": [B, S, E]}``."""
     xp = B.xp
@@ -312,7 +313,7 @@ def _lookup(B, tables: dict, batch: RankingBatch, cfg: RankingModelConfig) -> di
             "context": xp.stack([got[f"ctx{s}"] for s in range(S)], axis=1)}
 
 
-def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
+def ranking_logits(B: Backend, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     """``[c, K]`` logits of every candidate and task."""
     emb = _lookup(B, params["tables"], batch, cfg)
     item_emb = emb["items"]
@@ -334,12 +335,12 @@ def ranking_logits(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig
     return multitask_logits(B, params["task"], user, item)
 
 
-def ranking_loss(B, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
+def ranking_loss(B: Backend, params: dict, batch: RankingBatch, cfg: RankingModelConfig):
     """``(loss, per_task[K])``: GR's sum over tasks of 0.2 x mean BCE."""
     return multitask_loss(B, ranking_logits(B, params, batch, cfg), batch.labels, batch.cand_mask)
 
 
-def evaluate_ranking(B, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
+def evaluate_ranking(B: Backend, params: dict, seqs, users, cfg: RankingModelConfig, batch_size: int = 16, ends=None,
                      scorer=None, on_batch=None, transform=None, num_targets=None, history_ends=None) -> dict:
     """Per-task AUC, GAUC (grouped by user), NE over the candidates of ``users`` (no dropout),
     ``batch_size`` users at a time: ``{task: {"auc", "gauc", "gauc_users", "ne"}}`` plus

@@ -29,6 +29,7 @@ import math
 import numpy as np
 
 from ..model import xavier_uniform
+from ..contracts import Backend
 
 EPS = 1e-6
 
@@ -51,7 +52,7 @@ def init_stu_params(dim: int, heads: int, dqk: int, dv: int, rng: np.random.Gene
             "w_out": xavier_uniform(rng, shapes["w_out"])}
 
 
-def output_norm(B, o, w, b, group_norm: bool):
+def output_norm(B: Backend, o, w, b, group_norm: bool):
     """The affine output norm of the attention output ``o[T, H, dv]`` -> ``[T, H * dv]`` (eps 1e-6).
     ``group_norm``: each head's dv values normalised alone, ``w``/``b`` ``[H]`` (one per head); else
     all H * dv values of a token together (LayerNorm), ``w``/``b`` ``[H * dv]``."""
@@ -63,7 +64,7 @@ def output_norm(B, o, w, b, group_norm: bool):
     return B.layer_norm(xp.reshape(o, (T, heads * dv)), EPS) * w + b                            # [T, H dv]
 
 
-def stu_layer(B, p: dict, x, layout, num_targets, norm_len, heads: int, dqk: int, keep=None, group_norm: bool = True):
+def stu_layer(B: Backend, p: dict, x, layout, num_targets, norm_len, heads: int, dqk: int, keep=None, group_norm: bool = True):
     """One STU layer: ``x[T, D]`` -> ``[T, D]`` (module docstring). ``num_targets[B_cap]`` int32,
     ``norm_len`` GR's N (the batch's, or accumulated group's, longest real sequence: an int or a
     0-d array, not the padded width ``layout.max_len``), ``keep[T, 3 H dv]`` the dropout mask already

@@ -52,12 +52,13 @@ from .data import RankingLoader, split_samples, fingerprint, load_ranking_data
 from .heads import multitask_loss
 from .model import (TASKS, _feature_sizes, evaluate_ranking, init_ranking_params, ranking_logits,
                     ranking_param_shapes, table_plan)
+from ..contracts import Backend
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
 
 
-def _cast_ranking_batch(B, batch, dtype: str):
+def _cast_ranking_batch(B: Backend, batch, dtype: str):
     """The float inputs that multiply activations in the compute dtype (dropout masks, the
     candidate flags and time features); labels and ``cand_mask`` stay fp32 (they weight the loss)."""
     cast = lambda x: None if x is None else B.cast(x, dtype)  # noqa: E731
@@ -79,7 +80,7 @@ def ranking_objective(cfg: Config) -> Objective:
     return Objective(loss=loss, tokens=lambda B, batch: B.xp.sum(batch.cand_mask), cast_batch=_cast_ranking_batch)
 
 
-def make_ranking_step(B, cfg: Config):
+def make_ranking_step(B: Backend, cfg: Config):
     """``step(params, opt_state, batch | [micro-batches]) -> (params, opt_state, metrics)``:
     ``step.make_train_step`` on ``ranking_objective`` (metrics as its; ``tokens`` = candidates):
     AdamW on every parameter, or with hash tables (ranking/sparse.py) AdamW on the dense ones and
@@ -130,7 +131,7 @@ class RankingSteps:
     rows on the main thread, in step order (a checkpoint holds the table state of the last trained
     step)."""
 
-    def __init__(self, B, cfg: Config, loader: RankingLoader, host=None):
+    def __init__(self, B: Backend, cfg: Config, loader: RankingLoader, host=None):
         self.B, self.loader, self.prefetch, self.host = B, loader, cfg.train.prefetch, host
         self.k = cfg.train.accumulate
         self.prefetch_stats = PrefetchStats()
@@ -172,7 +173,7 @@ def summarise(metrics: dict) -> dict:
     return out
 
 
-def make_scorer(B, cfg: Config):
+def make_scorer(B: Backend, cfg: Config):
     """``logits = scorer(params, batch)`` [c, K] of the run's parameter tree (hash mode's too)."""
     mc = cfg.ranking
     if sparse.hashed(cfg):
@@ -180,7 +181,7 @@ def make_scorer(B, cfg: Config):
     return B.jit(lambda p, b: ranking_logits(B, p, b, mc))
 
 
-def evaluate_samples(B, params, cfg: Config, seqs, samples, scorer=None, on_batch=None, host=None) -> dict:
+def evaluate_samples(B: Backend, params, cfg: Config, seqs, samples, scorer=None, on_batch=None, host=None) -> dict:
     """``summarise`` of the model on ``samples`` (ranking/data.Samples); ``Diverged`` when a
     logit is not finite. ``host``: the hash table's (ids read rows without inserting)."""
     score = scorer or make_scorer(B, cfg)
@@ -290,7 +291,7 @@ class RankingTask(Task):
     def _sharded(self, cfg: Config, comm) -> bool:
         return cfg.embedding.sharding == "row" and comm.world_size > 1
 
-    def fresh(self, B, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
         cfg = prepared.cfg
         if self._sharded(cfg, comm):  # the rows live in the shards; the params are the dense ones
             dense = {k: v for k, v in sparse.init_hashed_params(cfg.ranking, 1, cfg.train.seed).items() if k != TABLE}
@@ -298,7 +299,7 @@ class RankingTask(Task):
         host = make_host(cfg)
         return ModelState(B.asarray_tree(init_params(cfg, host)), host)
 
-    def restore(self, B, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
         cfg = prepared.cfg
         saved = (checkpoint.host or {}).get("embedding") or {}
         if self._sharded(cfg, comm):
@@ -315,13 +316,13 @@ class RankingTask(Task):
             return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return None if state.host is None else {"embedding": state.host.state_dict()}
 
-    def steps(self, B, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
         if comm.world_size == 1:
             return RankingSteps(B, prepared.cfg, prepared.loader, state.host)
         return RankSteps(B, prepared.cfg, prepared.loader, comm, state.host, state.shard,
                          objective=ranking_objective(prepared.cfg), ids=RANKING_IDS)
 
-    def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
         cfg, (seqs, splits) = prepared.cfg, prepared.payload
         evaluation = RankingEvaluation(seqs, splits, make_scorer(B, cfg), ckdir, state.host)
         if state.shard is not None:
@@ -334,7 +335,7 @@ class RankingTask(Task):
             shapes.pop(TABLE)  # a row-sharded table: its rows are in host.embedding.shards
         return shapes
 
-    def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
+    def evaluate_checkpoint(self, B: Backend, cfg: Config, checkpoint, split: str) -> dict:
         seqs = load_ranking_data(cfg)
         samples = getattr(split_samples(seqs, cfg)[0], split)
         params, host = checkpoint.params, make_host(cfg)

@@ -18,20 +18,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import xavier_normal
+from ..contracts import Backend
 
 LN_EPS = 1e-5
 
 
-def affine_layer_norm(B, x, w, b, eps: float = LN_EPS):
+def affine_layer_norm(B: Backend, x, w, b, eps: float = LN_EPS):
     return B.layer_norm(x, eps) * w + b
 
 
-def swish_layer_norm(B, x, w, b, eps: float = LN_EPS):
+def swish_layer_norm(B: Backend, x, w, b, eps: float = LN_EPS):
     """GR's SwishLayerNorm: ``x * sigmoid(LayerNorm(x) * w + b)``."""
     return x * B.sigmoid(affine_layer_norm(B, x, w, b, eps))
 
 
-def tower(B, p: dict, x):
+def tower(B: Backend, p: dict, x):
     """``LN(swish_ln(x @ w1 + b1) @ w2 + b2)`` with affine norms: x[n, d_in] -> [n, d_out]."""
     xp = B.xp
     h = swish_layer_norm(B, xp.matmul(x, p["w1"]) + p["b1"], p["sw_w"], p["sw_b"])
@@ -47,7 +48,7 @@ def init_tower(d_in: int, d_hidden: int, d_out: int, rng: np.random.Generator) -
             "ln_w": np.ones(d_out, np.float32), "ln_b": np.zeros(d_out, np.float32)}
 
 
-def action_bits(B, table, bitmask, weights: tuple[int, ...]):
+def action_bits(B: Backend, table, bitmask, weights: tuple[int, ...]):
     """``[n, K * A]``: for each of the K action types, ``table[k]`` (``table[K, A]``) where bit
     ``weights[k]`` of ``bitmask[n]`` (int) is set, zeros where not."""
     xp = B.xp
@@ -57,14 +58,14 @@ def action_bits(B, table, bitmask, weights: tuple[int, ...]):
     return xp.reshape(xp.reshape(on, (-1, table.shape[0], 1)) * table, (on.shape[0], -1))
 
 
-def contextual_tokens(B, emb, wc, bc):
+def contextual_tokens(B: Backend, emb, wc, bc):
     """``emb[B, S, E]`` (each user's S contextual embeddings) -> ``[B, S, D]`` through one affine
     map per slot: ``emb[:, s] @ wc[s] + bc[s]`` (``wc[S, E, D]``, ``bc[S, D]``)."""
     xp = B.xp
     return xp.permute_dims(xp.matmul(xp.permute_dims(emb, (1, 0, 2)), wc), (1, 0, 2)) + bc
 
 
-def assemble(B, ctx, items, source):
+def assemble(B: Backend, ctx, items, source):
     """The jagged token sequence ``[T, D]`` from ``ctx[B, S, D]`` and ``items[n, D]`` (history and
     candidate tokens): token t is row ``source[t]`` of ``concat(ctx.reshape(B * S, D), items,
     zeros)`` (host-built index; the zero row serves padding)."""

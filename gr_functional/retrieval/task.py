@@ -27,6 +27,7 @@ from ..memory import check_fits, table_items
 from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
 from ..step import make_scorer
+from ..contracts import Backend
 
 
 def load_sequences(cfg: Config):
@@ -112,7 +113,7 @@ def data_fingerprint(data) -> str:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(B, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0,
+def evaluate(B: Backend, params, cfg: Config, examples, candidates=None, scorer=None, max_users: int = 0,
              on_batch=None, host=None) -> dict:
     """HR@K / NDCG@K / MRR on leave-one-out ``examples`` (split.test or split.valid): full-catalogue
     ranking of the held-out item among ``candidates`` (all ids when None) minus the user's history.
@@ -172,7 +173,7 @@ class RetrievalTask(Task):
     def _sharded(self, cfg: Config, comm) -> bool:
         return cfg.embedding.sharding == "row" and comm.world_size > 1
 
-    def fresh(self, B, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
         cfg = prepared.cfg
         dense = model.model_of(cfg.model).init_params(cfg.model, seed=cfg.train.seed)
         host = make_host(cfg, dense["item_emb"])
@@ -182,7 +183,7 @@ class RetrievalTask(Task):
             return ModelState(B.asarray_tree(dense), host, shard)
         return ModelState(B.asarray_tree(table_params(dense, host)), host, None)
 
-    def restore(self, B, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
         cfg = prepared.cfg
         host, shard = make_host(cfg), None
         saved = (checkpoint.host or {}).get("embedding") or {}
@@ -198,10 +199,10 @@ class RetrievalTask(Task):
             return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return {"embedding": state.host.state_dict()} if state.host.sparse else None
 
-    def steps(self, B, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
         return make_steps(B, prepared.cfg, prepared.loader, comm, state.host, state.shard)
 
-    def evaluation(self, B, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
         cfg, (data, splits) = prepared.cfg, prepared.payload
         # the ranks of a mesh (comm.mesh, backends/dist_jax.py) score their share of each batch
         scorer = comm.scorer(B, cfg) if comm.mesh else make_scorer(B, cfg)
@@ -221,7 +222,7 @@ class RetrievalTask(Task):
             expected.pop("item_emb")  # a row-sharded table: its rows are in host.embedding.shards
         return expected
 
-    def evaluate_checkpoint(self, B, cfg: Config, checkpoint, split: str) -> dict:
+    def evaluate_checkpoint(self, B: Backend, cfg: Config, checkpoint, split: str) -> dict:
         params, host_state = checkpoint.params, checkpoint.host
         data = load_sequences(cfg)
         check_item_ids(data, Path(checkpoint.path).parent / ITEM_IDS)
