@@ -1,5 +1,6 @@
 """The contracts between gr_functional and the layers it calls, as typing Protocols: what the model,
-the losses, the step and the tasks use of a backend (``B``). A backend (backends/base.py
+the losses, the step and the tasks use of a backend (``B``), and of the collective (``comm``: every
+run's ``Comm``, data-parallel ranks' ``RankComm``, a JAX mesh's ``MeshComm``). A backend (backends/base.py
 ``Backend``, a plugin's) satisfies it structurally; nothing here is imported at run time for its
 behaviour, only named in annotations (``def encode(B: Backend, ...)``) so that the type checker
 (tests/test_types.py) holds both sides to one surface.
@@ -9,7 +10,7 @@ array-API namespace (``B.xp.where``, ``B.xp.sum``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeGuard
 
 if TYPE_CHECKING:
     import numpy as np
@@ -78,4 +79,59 @@ class Backend(Protocol):
                    cfg: Any) -> tuple[Array, dict]: ...
 
 
-__all__ = ["Array", "Backend"]
+
+class Comm(Protocol):
+    """The collective every run has (gr_functional/comm.py ``LocalComm``: one process, rank 0 of 1,
+    every exchange the identity): who this rank is, the progress heartbeat, host-side exchanges of
+    small objects and row counts, and the end of the run."""
+
+    world_size: int
+    rank: int
+    is_main: bool
+    backend: str
+    mesh: bool     # the ranks are devices of a JAX mesh, stepped together (then the comm is a MeshComm)
+    step: int
+
+    def progress(self, phase: str) -> None: ...
+    def post(self, tag: str) -> None: ...
+    def wait_for(self, tag: str) -> None: ...
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def exchange_counts(self, send_counts: Any) -> np.ndarray: ...
+    def all_to_all(self, x: Any, send_counts: Any, recv_counts: Any) -> Any: ...
+    def all_to_all_start(self, x: Any, send_counts: Any, recv_counts: Any) -> Callable[[], Any]: ...
+    def all_reduce_sum(self, values: Any) -> np.ndarray: ...   # SUM over ranks of a small host vector
+    def gather(self, obj: Any) -> list | None: ...              # every rank's obj on rank 0, None elsewhere
+    def lane(self) -> Any: ...
+    def fail(self, message: str) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class RankComm(Comm, Protocol):
+    """The collective of data-parallel ranks, one per process (backends/dist_torch.py
+    ``TorchCollective``): gradients reduced during backward and the step's timings."""
+
+    concurrent_groups: bool
+
+    def value_and_grad(self, B: Backend, f: Callable, has_aux: bool = False, local: tuple = ()) -> Callable: ...
+    def start_step(self) -> None: ...
+    def step_times(self) -> tuple[float, float, float]: ...
+
+
+class MeshComm(Comm, Protocol):
+    """The collective of ranks that are the devices of a JAX mesh (backends/dist_jax.py
+    ``MeshComm``): the mesh builds the step, the scorer and the sharded table itself."""
+
+    local_ranks: Any
+
+    def train_step(self, B: Backend, cfg: Any) -> Callable: ...
+    def table_step(self, B: Backend, cfg: Any) -> Callable: ...
+    def scorer(self, B: Backend, cfg: Any) -> Callable: ...
+    def sharded_table(self, B: Backend, cfg: Any, dense_rows: Any) -> Any: ...
+
+
+def is_mesh(comm: Comm) -> TypeGuard[MeshComm]:
+    """``comm.mesh``, telling the type checker that the comm is then a ``MeshComm``."""
+    return comm.mesh
+
+
+__all__ = ["Array", "Backend", "Comm", "MeshComm", "RankComm", "is_mesh"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from .data.prefetch import PrefetchStats, Worker
 from .embedding.lookup import Lookup, LookupStats, batch_ids, localize, unique_ids
 from .hooks import StepResult
 from .step import Objective, make_dist_train_step, make_sharded_dist_step, make_train_step, rank_scales
-from .contracts import Backend
+from .contracts import Backend, Comm, MeshComm, RankComm, is_mesh
 
 
 def step_groups(batches, k: int):
@@ -136,7 +136,7 @@ class RankSteps:
     A task other than retrieval gives its ``objective`` and its batches' ``ids`` (``BatchIds``);
     its loader has ``rank_epoch`` (ranking/data.py ``RankingLoader``)."""
 
-    def __init__(self, B: Backend, cfg: Config, loader, comm, host=None, shard=None, objective: Objective | None = None,
+    def __init__(self, B: Backend, cfg: Config, loader, comm: RankComm, host=None, shard=None, objective: Objective | None = None,
                  ids: BatchIds = BatchIds()):
         self.B, self.loader, self.comm, self.k, self.ids = B, loader, comm, cfg.train.accumulate, ids
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
@@ -242,7 +242,7 @@ class MeshSteps:
     update of the torch ranks' ``RankSteps``. With a hash table, the rows of the global step's ids
     as ``RankSteps``."""
 
-    def __init__(self, B: Backend, cfg: Config, loader, comm, host=None, shard=None):
+    def __init__(self, B: Backend, cfg: Config, loader, comm: MeshComm, host=None, shard=None):
         self.loader, self.comm, self.k, self.ids = loader, comm, cfg.train.accumulate, BatchIds()
         self.prefetch, self.prefetch_stats = cfg.train.prefetch, PrefetchStats()
         self.host = host if host is not None and host.sparse and shard is None else None
@@ -310,12 +310,12 @@ class MeshSteps:
         return params, opt_state, self._result(m, micro, step, epoch, record)
 
 
-def make_steps(B: Backend, cfg: Config, loader, comm, host=None, shard=None):
+def make_steps(B: Backend, cfg: Config, loader, comm: Comm, host=None, shard=None):
     """The step runner of this process: one place chooses between one process, one rank of
     torch's, and the ranks of a JAX mesh."""
     if comm.world_size == 1:
         return LocalSteps(B, cfg, loader, host)
-    if comm.mesh:
+    if is_mesh(comm):
         return MeshSteps(B, cfg, loader, comm, host, shard)
-    return RankSteps(B, cfg, loader, comm, host, shard)
+    return RankSteps(B, cfg, loader, cast(RankComm, comm), host, shard)
 

@@ -21,7 +21,7 @@ from .runlock import RunLocked
 from .step import dense_state, init_loss_scale
 from .task import unread_sections
 from .tree import tree_items
-from .contracts import Backend
+from .contracts import Backend, Comm
 
 RESUME_MODES = ("auto", "must", "never")
 
@@ -314,7 +314,7 @@ def find_resume(cfg: Config, ckdir: CheckpointDir, resume: str, train_loader, fi
     return restored, events
 
 
-def resume_on_all_ranks(comm, find):
+def resume_on_all_ranks(comm: Comm, find):
     """Rank 0 runs ``find()`` (it alone reads OUT) and broadcasts the result, or its error, to
     every rank; a user error is raised on every rank with the same class and message."""
     user_errors = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DataError, RunLocked)}

@@ -67,6 +67,7 @@ from .runlock import RunLock
 from .runtime import make_backend, prepare_process
 from .task import Task, get_task
 from .step import init_opt_state
+from .contracts import Comm
 
 def _fault_point(name: str, step: int) -> None:
     """``checkpoint.fault_point``, limited to rank ``GRF_FAULT_RANK`` when that is set (tests of a
@@ -177,7 +178,7 @@ def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str =
     return result
 
 
-def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B, comm, ckdir: CheckpointDir,
+def _train_loop(task: Task, prepared, out: Path, progress: bool, resume: str, B, comm: Comm, ckdir: CheckpointDir,
                 restored: Checkpoint | None, events: list[dict], extra_hooks=()) -> dict:
     """The body of ``train`` once the data, config and checkpoint are checked: a loop over steps
     calling the hooks (gr_functional/hooks.py), the same for every task, one process or one rank."""

@@ -53,7 +53,7 @@ from .optimizers import build as build_optimizer
 from .optimizers.schedules import learning_rate
 from .optimizers import init_loss_scale as _fresh_loss_scale
 from .tree import tree_items, tree_map
-from .contracts import Backend
+from .contracts import Backend, RankComm
 
 PRECISIONS = choices(Precision)
 TABLE = "item_emb"  # the parameter a row-sparse embedding optimizer updates by rows
@@ -436,7 +436,7 @@ def rank_grads(B: Backend, params: dict, opt_state: dict, micro, scales, cfg: Co
     return loss_part, acc
 
 
-def make_dist_train_step(B: Backend, cfg: Config, comm, objective: Objective | None = None):
+def make_dist_train_step(B: Backend, cfg: Config, comm: RankComm, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens) -> (params, opt_state, metrics)``
     for one rank of a torch data-parallel run (``comm``: backends.dist_torch.TorchCollective) of
     ``objective`` (the task's; default the retrieval HSTU's, as ``make_train_step``).
@@ -485,7 +485,7 @@ def make_dist_train_step(B: Backend, cfg: Config, comm, objective: Objective | N
     return step
 
 
-def make_sharded_dist_step(B: Backend, cfg: Config, comm, table, objective: Objective | None = None):
+def make_sharded_dist_step(B: Backend, cfg: Config, comm: RankComm, table, objective: Objective | None = None):
     """``step(params, opt_state, micro, tokens, global_tokens, rows, pending, ahead=None)`` for one
     rank of a data-parallel run whose item table is row-sharded (``embedding.sharding = "row"``;
     ``table``: this rank's ``embedding.sharding.ShardedTable``).

@@ -19,7 +19,7 @@ from typing import Any
 from .config import Config
 from .errors import ConfigError
 from .registry import Registry
-from .contracts import Backend
+from .contracts import Backend, Comm
 
 
 @dataclasses.dataclass
@@ -89,25 +89,25 @@ class Task:
         """Load and check the data, complete ``cfg`` from it, build the training loader."""
         raise NotImplementedError
 
-    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm: Comm) -> ModelState:
         """The parameters of a fresh run (initialised in numpy from ``train.seed``) on ``B``."""
         raise NotImplementedError
 
-    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm: Comm, checkpoint) -> ModelState:
         """The parameters and tables of ``checkpoint`` (``checkpoint.Checkpoint``) on ``B``."""
         raise NotImplementedError
 
-    def host_state(self, state: ModelState, comm) -> dict | None:
+    def host_state(self, state: ModelState, comm: Comm) -> dict | None:
         """What a checkpoint keeps of the sparse tables (called on every rank: a row-sharded table
         gathers its shards); None when there is nothing."""
         return None
 
-    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState):
         """The step runner: ``batches(epoch, start, limit)`` and ``run(params, opt_state, micro,
         step, epoch) -> (params, opt_state, hooks.StepResult)``."""
         raise NotImplementedError
 
-    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState, ckdir):
         """The evaluation hook (``hooks.Evaluation``) of the run."""
         raise NotImplementedError
 

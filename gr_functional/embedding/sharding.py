@@ -41,7 +41,7 @@ from ..tree import tree_map
 from . import rowopt
 from .hashtable import HashTable, hashed_init, mix64
 from .lookup import EmbeddingHost, dense_init_rows
-from ..contracts import Backend
+from ..contracts import Backend, Comm, is_mesh
 
 _OWNER_SALT = np.uint64(0x2545F4914F6CDD1D)
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -73,7 +73,7 @@ class Hop:
     inverse: np.ndarray
 
 
-def _hop(comm, ids: np.ndarray, dest: np.ndarray, world: int) -> Hop:
+def _hop(comm: Comm, ids: np.ndarray, dest: np.ndarray, world: int) -> Hop:
     order = np.argsort(dest, kind="stable")
     send = np.bincount(dest, minlength=world).astype(np.int64)
     recv = comm.exchange_counts(send)
@@ -123,7 +123,7 @@ class ShardedTable:
     rows; of a dense table ``num_items // R + 2``. New rows start as the unsharded table's would
     (``hashed_init`` of the id, or ``dense_rows[id]``), so sharded == unsharded."""
 
-    def __init__(self, B: Backend, comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
+    def __init__(self, B: Backend, comm: Comm, *, kind: str, dim: int, num_items: int, capacity: int = 0, seed: int = 0,
                  policy: str = "lru", min_count: int = 1, optimizer: str = "lazy_adam", dense_rows=None,
                  node_size: int = 0, hierarchical: bool = False, precision: str = "fp32", staleness: int = 0):
         R = comm.world_size
@@ -215,7 +215,7 @@ class ShardedTable:
             self.bytes[key] += n
         pending.sent = {}
 
-    def route(self, ids: np.ndarray, comm=None) -> list:
+    def route(self, ids: np.ndarray, comm: Comm | None = None) -> list:
         """The hops carrying ``ids`` (this rank's distinct ids, int64 increasing) to their owners:
         the id exchange of a lookup, stateless (an id's owner is a function of the id), so it may
         run ahead of the step, on the prefetch worker's ``comm`` (default: the table's). Collective.
@@ -232,7 +232,7 @@ class ShardedTable:
     def _row_bytes(self) -> int:
         return self.dim * 4 if self.precision == "fp32" else self.dim * 2 + 4
 
-    def _send(self, what: str, rows, send, recv, later: bool = False, comm=None, into: dict | None = None):
+    def _send(self, what: str, rows, send, recv, later: bool = False, comm: Comm | None = None, into: dict | None = None):
         """``rows`` (destination-major, ``send[r]`` for rank r) through one all-to-all in the
         exchange precision (rows and their scales), counted as ``what`` (into ``into``); the rows
         received, or with ``later`` a function returning them (the exchange runs in the background
@@ -248,7 +248,7 @@ class ShardedTable:
         got_scale = None if scale is None else comm.all_to_all(scale, send, recv)
         return decode(self.B, got, got_scale, self.precision)
 
-    def _back(self, hop: Hop, values, comm=None, into: dict | None = None):
+    def _back(self, hop: Hop, values, comm: Comm | None = None, into: dict | None = None):
         """Rows for ``hop.unique`` back to the senders; returns them in the sender's item order."""
         B = self.B
         expanded = B.gather_rows(values, B.asarray(hop.inverse.astype(np.int32)))
@@ -276,7 +276,7 @@ class ShardedTable:
             self._in_flight = None
 
     # ------------------------------------------------------------------ a step
-    def lookup(self, ids, step: int, hops: list | None = None, comm=None, count: bool = True):
+    def lookup(self, ids, step: int, hops: list | None = None, comm: Comm | None = None, count: bool = True):
         """``(rows[U, D], pending)``: the rows of this rank's distinct non-zero ``ids`` (int64,
         sorted), from their owners; ``hops``: their ``route`` when it ran ahead (else routed
         now). Collective: every rank calls it once per step, on ``comm`` (default the table's; the
@@ -300,7 +300,7 @@ class ShardedTable:
             self.count_bytes(pending)
         return out, pending
 
-    def serve(self, pending: Pending, comm=None):
+    def serve(self, pending: Pending, comm: Comm | None = None):
         """The rows ``[U, D]`` of ``pending``'s ids, read from this shard's current values (fresh
         rows at their initial value) and sent back to the requesters (``pending.values`` and
         ``.admitted`` are set). ``lookup`` calls it; called again, it re-reads rows an update
@@ -321,7 +321,7 @@ class ShardedTable:
         pending.values, pending.admitted = values, flags.astype(bool)
         return out
 
-    def _back_flags(self, hop: Hop, flags: np.ndarray, comm=None) -> np.ndarray:
+    def _back_flags(self, hop: Hop, flags: np.ndarray, comm: Comm | None = None) -> np.ndarray:
         """Host flags of ``hop.unique`` back to the senders, in the sender's item order."""
         got = (comm or self.comm).all_to_all(flags[hop.inverse], hop.recv, hop.send)
         out = np.empty_like(got)
@@ -426,7 +426,7 @@ class ShardedTable:
         return out
 
 
-    def export_all(self, comm) -> list | None:
+    def export_all(self, comm: Comm) -> list | None:
         """Every rank's ``export`` on rank 0 (rank order; None elsewhere): a checkpoint's
         ``shards``. Collective."""
         return comm.gather(self.export())
@@ -494,12 +494,12 @@ class ShardedTable:
 
 
 # ----------------------------------------------------------------------------- runs and checkpoints
-def make_sharded(B: Backend, cfg, comm, dense_rows=None, dim: int | None = None, num_items: int | None = None) -> ShardedTable:
+def make_sharded(B: Backend, cfg, comm: Comm, dense_rows=None, dim: int | None = None, num_items: int | None = None) -> ShardedTable:
     """This rank's shard for ``cfg.embedding`` (``sharding = "row"``); ``dense_rows``: the dense
     table's initial rows (needed by kind "dense" and by ``init = "dense"``; computed when not given).
     ``dim`` / ``num_items``: the table's (default the retrieval HSTU's ``model.embed_dim`` /
     ``model.num_items``; the ranking task's merged table has its own)."""
-    if comm.mesh:  # ranks on the devices of a JAX mesh: their table lives there (backends/dist_jax.py)
+    if is_mesh(comm):  # ranks on the devices of a JAX mesh: their table lives there (backends/dist_jax.py)
         return comm.sharded_table(B, cfg, dense_rows)
     e = cfg.embedding
     need_rows = e.kind == "dense" or e.init == "dense"
@@ -537,7 +537,7 @@ def assemble_table(cfg, shards: list, dim: int | None = None, num_items: int | N
     return table, host
 
 
-def gathered_view(B: Backend, cfg, comm, shard: ShardedTable, dim: int | None = None, num_items: int | None = None):
+def gathered_view(B: Backend, cfg, comm: Comm, shard: ShardedTable, dim: int | None = None, num_items: int | None = None):
     """``view(run) -> (params, host)`` for ``hooks.Evaluation``, called on every rank: the shards
     gathered to rank 0 as one table (``assemble_table``; ``dim`` / ``num_items`` as there) in the
     run's params as ``"item_emb"`` (step.TABLE) with its host; (None, None) on the other ranks."""

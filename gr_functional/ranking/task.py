@@ -28,6 +28,7 @@ up its own keys from their owners). N ranks equal one process up to float summat
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 import itertools
 import math
 
@@ -52,7 +53,7 @@ from .data import RankingLoader, split_samples, fingerprint, load_ranking_data
 from .heads import multitask_loss
 from .model import (TASKS, _feature_sizes, evaluate_ranking, init_ranking_params, ranking_logits,
                     ranking_param_shapes, table_plan)
-from ..contracts import Backend
+from ..contracts import Backend, Comm, RankComm
 
 SELECT = RANKING_SELECT
 SUMMARY = ("auc", "gauc", "ne")
@@ -288,10 +289,10 @@ class RankingTask(Task):
         return Prepared(cfg, loader, fp, {"sha256": fp, "users": len(seqs.users), "events": int(seqs.offsets[-1])},
                         describe=describe, label=cfg.data.dataset, payload=(seqs, splits))
 
-    def _sharded(self, cfg: Config, comm) -> bool:
+    def _sharded(self, cfg: Config, comm: Comm) -> bool:
         return cfg.embedding.sharding == "row" and comm.world_size > 1
 
-    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm: Comm) -> ModelState:
         cfg = prepared.cfg
         if self._sharded(cfg, comm):  # the rows live in the shards; the params are the dense ones
             dense = {k: v for k, v in sparse.init_hashed_params(cfg.ranking, 1, cfg.train.seed).items() if k != TABLE}
@@ -299,7 +300,7 @@ class RankingTask(Task):
         host = make_host(cfg)
         return ModelState(B.asarray_tree(init_params(cfg, host)), host)
 
-    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm: Comm, checkpoint) -> ModelState:
         cfg = prepared.cfg
         saved = (checkpoint.host or {}).get("embedding") or {}
         if self._sharded(cfg, comm):
@@ -311,18 +312,19 @@ class RankingTask(Task):
             host.load_state_dict(saved or missing_host(checkpoint))
         return ModelState(B.asarray_tree(checkpoint.params), host)
 
-    def host_state(self, state: ModelState, comm) -> dict | None:
+    def host_state(self, state: ModelState, comm: Comm) -> dict | None:
         if state.shard is not None:
             return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return None if state.host is None else {"embedding": state.host.state_dict()}
 
-    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState):
         if comm.world_size == 1:
             return RankingSteps(B, prepared.cfg, prepared.loader, state.host)
-        return RankSteps(B, prepared.cfg, prepared.loader, comm, state.host, state.shard,
+        # several ranks of ranking are torch's (the JAX mesh trains retrieval: config._validate_devices)
+        return RankSteps(B, prepared.cfg, prepared.loader, cast(RankComm, comm), state.host, state.shard,
                          objective=ranking_objective(prepared.cfg), ids=RANKING_IDS)
 
-    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState, ckdir):
         cfg, (seqs, splits) = prepared.cfg, prepared.payload
         evaluation = RankingEvaluation(seqs, splits, make_scorer(B, cfg), ckdir, state.host)
         if state.shard is not None:

@@ -27,7 +27,7 @@ from ..memory import check_fits, table_items
 from ..resume import missing_host
 from ..task import ModelState, Prepared, Task, register_task
 from ..step import make_scorer
-from ..contracts import Backend
+from ..contracts import Backend, Comm, is_mesh
 
 
 def load_sequences(cfg: Config):
@@ -170,10 +170,10 @@ class RetrievalTask(Task):
                                                    "events": int(data.num_events)},
                         describe=f"data {data.describe()}", label=data.name, payload=(data, splits))
 
-    def _sharded(self, cfg: Config, comm) -> bool:
+    def _sharded(self, cfg: Config, comm: Comm) -> bool:
         return cfg.embedding.sharding == "row" and comm.world_size > 1
 
-    def fresh(self, B: Backend, prepared: Prepared, comm) -> ModelState:
+    def fresh(self, B: Backend, prepared: Prepared, comm: Comm) -> ModelState:
         cfg = prepared.cfg
         dense = model.model_of(cfg.model).init_params(cfg.model, seed=cfg.train.seed)
         host = make_host(cfg, dense["item_emb"])
@@ -183,7 +183,7 @@ class RetrievalTask(Task):
             return ModelState(B.asarray_tree(dense), host, shard)
         return ModelState(B.asarray_tree(table_params(dense, host)), host, None)
 
-    def restore(self, B: Backend, prepared: Prepared, comm, checkpoint) -> ModelState:
+    def restore(self, B: Backend, prepared: Prepared, comm: Comm, checkpoint) -> ModelState:
         cfg = prepared.cfg
         host, shard = make_host(cfg), None
         saved = (checkpoint.host or {}).get("embedding") or {}
@@ -194,18 +194,18 @@ class RetrievalTask(Task):
             host.load_state_dict(saved or missing_host(checkpoint))
         return ModelState(B.asarray_tree(checkpoint.params), host, shard)
 
-    def host_state(self, state: ModelState, comm) -> dict | None:
+    def host_state(self, state: ModelState, comm: Comm) -> dict | None:
         if state.shard is not None:
             return {"embedding": {"shards": state.shard.export_all(comm)}}  # every rank takes part
         return {"embedding": state.host.state_dict()} if state.host.sparse else None
 
-    def steps(self, B: Backend, prepared: Prepared, comm, state: ModelState):
+    def steps(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState):
         return make_steps(B, prepared.cfg, prepared.loader, comm, state.host, state.shard)
 
-    def evaluation(self, B: Backend, prepared: Prepared, comm, state: ModelState, ckdir):
+    def evaluation(self, B: Backend, prepared: Prepared, comm: Comm, state: ModelState, ckdir):
         cfg, (data, splits) = prepared.cfg, prepared.payload
         # the ranks of a mesh (comm.mesh, backends/dist_jax.py) score their share of each batch
-        scorer = comm.scorer(B, cfg) if comm.mesh else make_scorer(B, cfg)
+        scorer = comm.scorer(B, cfg) if is_mesh(comm) else make_scorer(B, cfg)
         if state.shard is not None:
             return Evaluation(evaluate, splits, data.candidates, scorer, ckdir,
                               view=gathered_view(B, cfg, comm, state.shard))
