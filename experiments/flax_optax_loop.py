@@ -1,6 +1,6 @@
 """HSTU as a flax.nnx module trained in a plain JAX loop with optax, on the real batches of a config.
 
-The model is ``backends.flax_nnx.HSTU`` (the project's HSTU, parameters one-to-one with the
+The model is ``gr_functional.interop.flax_nnx.HSTU`` (the project's HSTU, parameters one-to-one with the
 functional tree); the loop is the textbook nnx one: ``nnx.value_and_grad`` of the loss, an
 ``nnx.Optimizer`` over ``optax.adamw``. With the config's optimizer values (GR's AdamW: lr 1e-3,
 betas 0.9 / 0.98, no weight decay) it follows ``grf train --backend jax`` step for step: same
@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 import gr_functional as grf
-from backends.flax_nnx import HSTU
+from gr_functional.interop.flax_nnx import HSTU
 
 
 def train(config: str, steps: int, sets=()) -> list[float]:

@@ -393,10 +393,20 @@ def test_no_module_level_import_cycles(graph):
 
 
 def test_gr_functional_imports_no_array_library_at_module_level(graph):
+    # gr_functional.interop wraps the models for another library's users (flax.nnx): imported by
+    # user code only (next test), so it may import that library
     _, external = graph
     bad = {m: sorted(set(ext) & set(ARRAY_LIBRARIES)) for m, ext in external.items()
-           if m.split(".")[0] == "gr_functional" and set(ext) & set(ARRAY_LIBRARIES)}
+           if m.split(".")[0] == "gr_functional" and not m.startswith("gr_functional.interop")
+           and set(ext) & set(ARRAY_LIBRARIES)}
     assert not bad, f"gr_functional modules importing an array library at module level: {bad}"
+
+
+def test_nothing_in_the_project_imports_the_interop_modules(full_graph):
+    users = {m: sorted(t for t in targets if t.startswith("gr_functional.interop"))
+             for m, targets in full_graph.items()
+             if m.split(".")[0] in LIBRARY and not m.startswith("gr_functional.interop")}
+    assert not {m: t for m, t in users.items() if t}, "gr_functional.interop is for user code (experiments) only"
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""backends/flax_nnx.py: the retrieval HSTU and the ranking model as flax.nnx modules hold the
+"""gr_functional/interop/flax_nnx.py: the retrieval HSTU and the ranking model as flax.nnx modules hold the
 functional parameter tree one-to-one (same paths, shapes and values, both ways), compute the
 functional model's outputs and gradients, and a plain nnx + optax loop on real ML-1M batches
 lands on ``grf train --backend jax``'s losses (experiments/flax_optax_loop.py, the README's example)."""
@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from backends import get_backend
-from backends.flax_nnx import HSTU, RankingModel
+from gr_functional.interop.flax_nnx import HSTU, RankingModel
 from experiments import flax_optax_loop
 from gr_functional import model
 from gr_functional.batch import Negatives, make_batch

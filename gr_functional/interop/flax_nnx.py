@@ -1,6 +1,6 @@
 """The project's models as flax.nnx modules, for JAX users who put them inside their own models.
 
-    from backends.flax_nnx import HSTU
+    from gr_functional.interop.flax_nnx import HSTU
     hstu = HSTU(exp.cfg.model, exp.init_params())        # or HSTU(cfg.model, seed=42)
     user = hstu(batch)                                   # user[T, D], L2-normalised
     loss = hstu.loss(batch, exp.cfg.loss)                # the registered loss of cfg.loss
@@ -14,8 +14,9 @@ load into a module and a module's parameters save as one. The forward pass is th
 function (``model.encode`` / ``ranking_logits``) on the JAX backend: outputs and gradients are the
 functional model's, not a re-implementation's (tests/differential/test_flax.py).
 
-This is a JAX-only interop layer (flax imports JAX), hence under ``backends``: ``gr_functional``
-imports no array library.
+A JAX-only interop module (flax imports JAX) beside the package it wraps: the run loop, the step and
+the backends never import it (tests/test_layering.py), so ``gr_functional`` still imports no array
+library unless a user asks for flax.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from gr_functional import model as model_mod
-from gr_functional.config import LossConfig, ModelConfig
-from gr_functional.ranking import model as ranking_mod
+from backends import get_backend
 
-from . import get_backend
+from .. import model as model_mod
+from ..config import LossConfig, ModelConfig
+from ..ranking import model as ranking_mod
 
 
 def _node(tree: Any):
