@@ -91,6 +91,7 @@ def test_report_reads_what_train_wrote(trained, capsys):
         assert row[key] == result[key], key
 
 
+@pytest.mark.data("kuairand-27k-lengths")   # the stream's synthetic users have KuaiRand-27K lengths
 def test_bench_stream_runs_its_own_preset_without_config(capsys):
     """`grf bench stream` with no --config trains on the stream with its preset (a hash table),
     not the default quickstart config (whose dense table it would refuse)."""

@@ -25,6 +25,7 @@ register_dataset(DatasetSpec("my-ranking-stream", "My ranking stream", load_smal
 
 
 @pytest.mark.slow
+@pytest.mark.data("kuairand-user-features", "kuairand-video-features")   # the ranking model's feature tables
 def test_a_ranking_dataset_registered_by_a_plugin_trains(tmp_path):
     plugin = tmp_path / "my_ranking_stream.py"
     plugin.write_text(PLUGIN)

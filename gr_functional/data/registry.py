@@ -86,6 +86,12 @@ class DataFile:
     label: str
     layout: tuple[str, ...]
     how_to_get: str = ""
+    # a small excerpt shipped with the package (gr_functional/data/samples/, its licence beside it),
+    # read when the data dir has none of ``layout``: relative to that folder ("" = none shipped)
+    bundled: str = ""
+
+
+SAMPLES = Path(__file__).resolve().parent / "samples"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,8 @@ class DatasetSpec:
       file_name    the name ``dataset_path`` knows the default file by ("" = ``name``)
       label_for    label of the data read from a given file (e.g. the reconstructed ML-1M copy);
                    None = ``label`` whatever the file
+      bundled      a shipped excerpt of the default file, read when the data dir has none
+                   (``DataFile.bundled``)
       task         the ``model.task`` that trains on it: "retrieval" (``load`` returns Interactions
                    or SequenceData) or "ranking" (``load(cfg: Config, path: Path | None)``, the
                    whole config, returns RankingSequences; gr_functional/ranking/data.py)
@@ -122,6 +130,7 @@ class DatasetSpec:
     file_name: str = ""
     label_for: Callable[[Path], str] | None = None
     task: str = "retrieval"
+    bundled: str = ""
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -138,7 +147,7 @@ class DatasetSpec:
         """The default file as a ``DataFile`` (None when the dataset has no layout)."""
         if not self.layout:
             return None
-        return DataFile(self.file_name or self.name, self.label, tuple(self.layout), self.how_to_get)
+        return DataFile(self.file_name or self.name, self.label, tuple(self.layout), self.how_to_get, self.bundled)
 
 
 _FILES: dict[str, DataFile] = {}

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gr_functional.data.registry import SAMPLES
 from tests.data_needs import data_file, data_root as _data_root
 
-REPO = Path(__file__).resolve().parents[2]
-# The 211-row KuaiRand-1K sample ships with the tests (CC BY-SA 4.0: tests/data/samples/README.md)
-SHIPPED_KUAIRAND_SAMPLE = REPO / "tests" / "data" / "samples" / "kuairand" / "KuaiRand-1K" / "data" / \
-    "log_random_4_22_to_5_08_1k.head_users0-3.csv"
+# The 211-row KuaiRand-1K sample ships with the package (CC BY-SA 4.0: gr_functional/data/samples/README.md)
+SHIPPED_KUAIRAND_SAMPLE = SAMPLES / "kuairand" / "KuaiRand-1K" / "data" / "log_random_4_22_to_5_08_1k.head_users0-3.csv"
 
 
 @pytest.fixture(scope="session")

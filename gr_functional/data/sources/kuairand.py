@@ -91,7 +91,9 @@ register_dataset(DatasetSpec(
             "kuairand/KuaiRand-1K/data/log_random_4_22_to_5_08_1k.csv"),
     how_to_get="copy the KuaiRand-1K random log to one of those paths, or run `grf data fetch kuairand-1k` "
                "(the whole KuaiRand-1K release from zenodo record 10439422, about 1.1 GB; https://kuairand.com)",
-    default_file="log_random_4_22_to_5_08_1k.csv", file_name="kuairand-sample", label_for=_label))
+    default_file="log_random_4_22_to_5_08_1k.csv", file_name="kuairand-sample", label_for=_label,
+    # the 211 rows ship with the package (CC BY-SA 4.0, attributed in gr_functional/data/samples/)
+    bundled="kuairand/KuaiRand-1K/data/log_random_4_22_to_5_08_1k.head_users0-3.csv"))
 
 register_file(DataFile(
     "kuairand-27k-lengths", "KuaiRand-27K per-user lengths",
