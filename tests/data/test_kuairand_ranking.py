@@ -91,6 +91,7 @@ def test_malformed_gr_files_name_the_line(tmp_path, text, message):
         kr.load_gr_processed(path)
 
 
+@pytest.mark.data("kuairand-user-features")   # read before the log's columns are checked
 def test_a_log_without_the_action_columns_is_refused():
     log = load_kuairand_log()                                                   # default columns: no profile enters
     with pytest.raises(DataError, match="is_profile_enter.*LOG_COLUMNS"):
