@@ -133,11 +133,21 @@ def validate(cfg: Config, source: str = "<config>") -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list = (), plugins: list = ()) -> Config:
-    """Read a TOML config (a file, or a packaged config's name: ``config_path``; defaults when
-    ``path`` is None) and apply ``--set`` overrides (``"section.key=value"`` strings, or ``(label,
-    "section.key=value")`` pairs). ``plugins`` (``grf train --plugin``) are appended to
-    ``train.plugins``; all of them are imported before the config is checked, so the names they
-    register are valid."""
+    """Read a TOML config, apply overrides, import its plugins and check everything (``grf.load_config``).
+
+    Args:
+      path: a TOML file, or a packaged config's name (``"quickstart"``, ``"ml1m_hstu"``:
+        ``config_path``); None: the defaults.
+      overrides: ``"section.key=value"`` strings (TOML values, bare words allowed), or ``(label,
+        "section.key=value")`` pairs, the label naming the flag in errors.
+      plugins: files or modules appended to ``train.plugins`` (``grf train --plugin``); all of them
+        are imported before the config is checked, so the names and keys they register are valid.
+    Returns:
+      the checked ``Config``.
+    Raises:
+      ConfigError: naming the file or override, the key and the fix (an unknown key suggests the
+        nearest one).
+    """
     path = config_path(path)
     values, source, origins = read_values(path, overrides)
     _import_plugins(values, source, origins, list(plugins))

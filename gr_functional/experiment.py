@@ -83,9 +83,20 @@ class Experiment:
 
 
 def prepare(config: Config | str | Path | None = None, overrides: list = (), plugins: list = ()) -> Experiment:
-    """An ``Experiment`` from a ``Config``, or a TOML path / packaged config name (``"quickstart"``,
-    ``"ml1m_hstu"``) with ``--set``-style ``overrides``; None = the defaults. Data errors are
-    ``DataError`` and config errors ``ConfigError``, with the messages ``grf train`` prints."""
+    """The data, split and training loader of a retrieval config, as ``grf train`` builds them (``grf.prepare``).
+
+    Args:
+      config: a ``Config``, or a TOML path / packaged config name (``"quickstart"``, ``"ml1m_hstu"``);
+        None: the defaults.
+      overrides: ``--set``-style ``"section.key=value"`` strings (not with a ``Config``: change one
+        with ``gr_functional.config.replace``).
+      plugins: files or modules to import first (``grf train --plugin``).
+    Returns:
+      an ``Experiment``: ``cfg`` (completed from the data), ``data``, ``splits``, ``loader``;
+      ``batches(epoch)``, ``init_params()``, ``backend(name)``, ``evaluate(B, params, split)``.
+    Raises:
+      ConfigError / DataError: with the messages ``grf train`` prints.
+    """
     from .data import batching, split as split_mod
     from .memory import check_negatives
     from .config import replace

@@ -67,9 +67,18 @@ LOSSES: Registry[Loss] = Registry(
 
 def register(name: str, fn: Callable | None = None, *, negatives: NegativeKind = "sampled",
              replace: bool = False):
-    """Register ``fn`` as loss ``name`` (``register(name, fn)``, or ``@register(name)`` as a
-    decorator). Registering a taken name raises unless ``replace=True`` (a second import of an
-    experiment module re-registers the same function: that is allowed)."""
+    """Register ``fn`` as loss ``name`` (``register(name, fn)``, or ``@register(name)`` as a decorator).
+
+    Args:
+      name: the ``loss.name`` value.
+      fn: ``fn(B, user[T, D], items[N+1, D], batch, cfg: LossConfig) -> loss`` (module docstring).
+      negatives: the negatives its batches carry: "sampled", "in_batch", "pool", "mixed",
+        "catalogue" or "none".
+      replace: replace another definition registered under ``name``.
+    Returns:
+      ``fn`` (or the decorator). Raises ValueError for a taken name (a second import of the same
+      function is allowed) or an unknown ``negatives``.
+    """
     if negatives not in choices(NegativeKind):
         raise ValueError(f"register({name!r}): negatives={negatives!r} is not one of "
                          f"{', '.join(map(repr, choices(NegativeKind)))}")

@@ -188,7 +188,17 @@ MODELS: Registry[RetrievalModel] = Registry(
 def register_model(name: str, encode: Callable | None = None, *, init_params: Callable, param_shapes: Callable,
                    replace: bool = False):
     """Register a retrieval model (``register_model(name, encode, ...)`` or ``@register_model(name,
-    ...)`` on the encode function); ``model.name = name`` selects it."""
+    ...)`` on the encode function); ``model.name = name`` selects it.
+
+    Args:
+      name: the ``model.name`` value.
+      encode: ``encode(B, params, batch, cfg: ModelConfig) -> user[T, D]`` (L2-normalised).
+      init_params: ``init_params(cfg, seed) -> params`` (numpy, so every backend starts equal).
+      param_shapes: ``param_shapes(cfg) -> {path: shape}`` (checkpoints are checked against it).
+      replace: replace another definition registered under ``name``.
+    Returns:
+      ``encode`` (or the decorator). Raises ValueError for a taken name.
+    """
     def add(fn: Callable) -> Callable:
         MODELS.add(name, RetrievalModel(name, fn, init_params, param_shapes), origin_of=fn, replace=replace)
         return fn

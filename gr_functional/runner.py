@@ -86,22 +86,28 @@ def _code_version() -> dict:
 
 
 def train(cfg: Config, out_dir: str | Path, progress: bool = True, resume: str = "auto", hooks=()) -> dict:
-    """Train per ``cfg`` (the task ``model.task``), evaluate, write the output files; returns the
-    eval.json dict.
+    """Train per ``cfg`` (the task ``model.task``), evaluate, write the output files (``grf.fit``).
 
-    resume: "auto" continues from the newest valid checkpoint in OUT/checkpoints when there is one
-    (damaged ones are skipped with a warning naming them), else starts fresh; "must" is the same
-    but fails when there is none (``grf train --resume``); "never" deletes OUT/checkpoints and
-    starts over (``grf train --fresh``). Nothing under OUT is written or deleted until the data,
-    the config and the checkpoint have been checked, so a rejected run loses nothing.
-    Raises ``TrainingAborted`` after ``train.max_bad_steps`` non-finite steps in a row.
+    Nothing under OUT is written or deleted until the data, the config and the checkpoint have been
+    checked, so a rejected run loses nothing. Under torchrun (``WORLD_SIZE > 1``) this is one rank of
+    a data-parallel run (module docstring): ranks other than 0 write nothing.
 
-    Under torchrun (``WORLD_SIZE > 1``) this is one rank of a data-parallel run (module
-    docstring): ranks other than 0 return ``{"rank": r, "steps": ...}`` and write nothing.
-    Raises ``DistributedError`` (naming the rank) when a rank dies or hangs.
-
-    ``hooks``: extra ``hooks.Hook`` objects called after the built-in ones and those named by
-    ``train.hooks``, at every step and epoch end (gr_functional/hooks.py).
+    Args:
+      cfg: the run's config (``load_config``, or a ``Config`` made in code: checked as a file is).
+      out_dir: the run folder (config.toml, metrics.jsonl, eval.json, checkpoints/).
+      progress: print the per-epoch lines and the progress bar or line.
+      resume: "auto" continues from the newest valid checkpoint in OUT/checkpoints when there is one
+        (damaged ones are skipped with a warning naming them), else starts fresh; "must" is the same
+        but fails when there is none (``grf train --resume``); "never" deletes OUT/checkpoints and
+        starts over (``grf train --fresh``).
+      hooks: extra ``hooks.Hook`` objects called after the built-in ones and those named by
+        ``train.hooks``, at every step and epoch end (gr_functional/hooks.py).
+    Returns:
+      the eval.json dict (rank 0); ``{"rank": r, "steps": ...}`` on the other ranks.
+    Raises:
+      ConfigError / DataError / CheckpointError: what was refused before anything was written.
+      TrainingAborted: after ``train.max_bad_steps`` non-finite steps in a row.
+      DistributedError: a rank died or hung (naming it).
     """
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -384,7 +390,20 @@ def for_evaluation(cfg: Config) -> Config:
 
 
 def evaluate_checkpoint(path: str | Path, backend: str | None = None, split: str = "test") -> dict:
-    """Evaluate a checkpoint (trained on any backend) on ``backend`` with the run's own config."""
+    """Evaluate a checkpoint (trained on any backend) with the run's own config (``grf eval``).
+
+    Args:
+      path: a checkpoint file (OUT/checkpoints/*.safetensors).
+      backend: evaluate on this backend ("torch", "jax", ...; None: the run's); kernels the run chose
+        that this backend lacks take its default.
+      split: "test" or "valid".
+    Returns:
+      the metrics dict (``hr@10``, ``ndcg@10``, ... or the ranking task's AUCs) with ``split``,
+      ``backend``, ``trained_on`` and ``epoch``.
+    Raises:
+      CheckpointError: the file is damaged or does not match its config; Diverged: it holds
+      non-finite numbers; ConfigError: ``backend`` cannot run the run's config.
+    """
     ck = read_checkpoint(path)
     import_plugins(ck.config.train.plugins, where=f"{path} (embedded config) train.plugins")
     # one process on one device: how the run was spread (torch ranks, JAX devices) is not evaluation's

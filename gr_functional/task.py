@@ -141,7 +141,15 @@ TASKS: Registry[Task] = Registry(
 
 
 def register_task(name: str, task: Task, *, replace: bool = False) -> Task:
-    """Make ``model.task = name`` train ``task`` (a ``Task`` instance)."""
+    """Make ``model.task = name`` train ``task``.
+
+    Args:
+      name: the ``model.task`` value.
+      task: a ``Task`` instance (its methods are what the run loop calls).
+      replace: replace a task already registered under ``name``.
+    Returns:
+      ``task``. Raises ValueError for a taken name (unless the same class is registered again).
+    """
     task.name = name
     TASKS.add(name, task, origin_of=type(task), replace=replace)
     return task

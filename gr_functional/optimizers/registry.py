@@ -50,12 +50,19 @@ READS: dict[str, tuple[str, ...]] = {}
 
 
 def register_optimizer(name: str, *, replace: bool = False, optax: bool = False, reads: tuple | None = None):
-    """Decorator: register ``builder(cfg: OptimConfig, learning_rate) -> GradientTransformation``
-    as ``name``. A name already taken by another definition is refused (``ValueError``) unless
-    ``replace=True``. ``optax=True``: the builder returns an ``optax.GradientTransformation`` (a
-    chain included) and gets optax's learning rate (module docstring); JAX backend only.
-    ``reads``: which of ``OPTIMIZER_KEYS`` the builder reads; a config that sets another one is
-    refused by name (None: not declared, nothing refused)."""
+    """Decorator: register ``builder(cfg: OptimConfig, learning_rate) -> GradientTransformation`` as
+    ``optim.name = name``.
+
+    Args:
+      name: the ``optim.name`` value (not starting with "optax:", reserved for optax's own).
+      replace: replace another definition registered under ``name``.
+      optax: the builder returns an ``optax.GradientTransformation`` (a chain included) and gets
+        optax's learning rate (module docstring); JAX backend only.
+      reads: which of ``OPTIMIZER_KEYS`` the builder reads; a config that sets another one is refused
+        by name (None: not declared, nothing refused).
+    Returns:
+      the decorator. Raises ValueError for a taken name, a reserved one or an unknown key in ``reads``.
+    """
     unknown = set(reads or ()) - set(OPTIMIZER_KEYS)
     if unknown:
         raise ValueError(f"register_optimizer({name!r}, reads=...): {sorted(unknown)} are not optimizer keys; "
