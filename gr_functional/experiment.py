@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .batch import HSTUBatch
-from .config import Config
+from .config import Config, ConfigError
 from .configure import load_config
 from .optim import resolve_schedule
 from .contracts import Backend
@@ -97,12 +97,11 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
     Raises:
       ConfigError / DataError: with the messages ``grf train`` prints.
     """
-    from .data import batching, split as split_mod
-    from .memory import check_negatives
     from .config import replace
     from .plugins import import_plugins, normalise
-    from .retrieval.task import check_data, load_sequences, resolve
+    from .retrieval.task import RetrievalTask
     from .configure import validate
+    from .task import get_task
 
     if isinstance(config, Config):
         if overrides:
@@ -114,10 +113,10 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
         validate(cfg)
     else:
         cfg = load_config(config, list(overrides), plugins=list(plugins))
-    data = load_sequences(cfg)
-    cfg = resolve(cfg, data)
-    splits = split_mod.leave_one_out(data, valid_in_train=cfg.data.valid_in_train)
-    check_data(data, splits)
-    check_negatives(cfg)
-    loader = batching.TrainLoader.from_config(splits.train, cfg)
-    return Experiment(resolve_schedule(cfg, loader.steps_per_epoch), data, splits, loader)
+    task = get_task(cfg.model.task)
+    if not isinstance(task, RetrievalTask):
+        raise ConfigError(f"model.task={cfg.model.task!r}: grf.prepare gives a retrieval Experiment (sequences, "
+                          f"leave-one-out splits, its loader); train this task with grf.fit / grf train")
+    prepared = task.prepare(cfg, world_size=1)  # what grf train does: the same data, checks and loader
+    data, splits = prepared.payload
+    return Experiment(resolve_schedule(prepared.cfg, prepared.loader.steps_per_epoch), data, splits, prepared.loader)
