@@ -64,7 +64,7 @@ def check_used(values: dict, cfg: Config, source: str = "<config>", origins: dic
 
 def check_optimizer_keys(values: dict, cfg: Config, source: str = "<config>", origins: dict | None = None) -> None:
     """ConfigError for an ``optim.*`` key the user wrote that ``optim.name`` does not read
-    (``optimizers.unread_keys``: ``optim.momentum`` under adamw), naming it and who reads it."""
+    (``optimizers.registry.unread_keys``: ``optim.momentum`` under adamw), naming it and who reads it."""
     written = values.get("optim")
     if not isinstance(written, dict):
         return
