@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from gr_functional import task
 from gr_functional.embedding import rowopt
 from gr_functional.errors import UnsupportedOnBackend
 from npu_ops import fbgemm_tbe
@@ -45,7 +46,7 @@ def _optimizers(name: str, supported: tuple[str, ...], *, width_limits: bool = F
             return (f"embedding.optimizer={optimizer!r}",
                     f"it supports {', '.join(supported)}{': ' + why if why else ''}; use ops.row_update='reference'")
         if width_limits:
-            table_dim = cfg.ranking.embed_dim if cfg.model.task == "ranking" else cfg.model.embed_dim
+            table_dim = task.table_dim(cfg)  # the task's table (the ranking model's is ranking.embed_dim)
             reason = fbgemm_tbe.problem("npu" if cfg.backend.name == "npu" else "cpu", "float32", table_dim,
                                         cfg.optim.weight_decay)
             if reason:

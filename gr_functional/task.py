@@ -82,6 +82,11 @@ class Task:
         default) changes nothing it computes, so resuming and the refactor fingerprints ignore them."""
         return tuple(section for section, keys in self.unused_keys.items() if keys is None)
 
+    def table_dim(self, cfg: Config) -> int:
+        """The width of the task's sparse embedding table (what a row kernel's limits are checked
+        against): the retrieval HSTU's ``model.embed_dim`` by default."""
+        return cfg.model.embed_dim
+
     def check(self, cfg: Config, world_size: int) -> None:
         """Refuse what the task cannot do, before any data is read (ConfigError naming the key)."""
 
@@ -159,6 +164,12 @@ def unread_sections(name: str) -> tuple[str, ...]:
     """``Task.unread_sections`` of task ``name`` (none for a task not registered here)."""
     found = TASKS.find(name)
     return found.unread_sections if found is not None else ()
+
+
+def table_dim(cfg: Config) -> int:
+    """``Task.table_dim`` of ``cfg``'s task (``model.embed_dim`` for a task not registered here)."""
+    found = TASKS.find(cfg.model.task)
+    return found.table_dim(cfg) if found is not None else cfg.model.embed_dim
 
 
 def task_rules(values: dict) -> tuple:

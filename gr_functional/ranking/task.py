@@ -270,6 +270,9 @@ class RankingTask(Task):
     def config_rules(self, cfg: Config, fail) -> None:
         ranking_rules(cfg, fail)
 
+    def table_dim(self, cfg: Config) -> int:
+        return cfg.ranking.embed_dim
+
     def check(self, cfg: Config, world_size: int) -> None:
         check_ranking_fits(cfg)
 
