@@ -649,9 +649,8 @@ class Config:
         # a section made as its plain class (Config(), a default) gets the keys extensions declared
         for name in _EXTENDED:
             body, cls = getattr(self, name), section_class(name)
-            values = _section_values(body)
-            if not {f.name for f in dataclasses.fields(cls)} <= values.keys():
-                known = {f.name for f in dataclasses.fields(cls)}
+            values, known = _section_values(body), {f.name for f in dataclasses.fields(cls)}
+            if not known <= values.keys():
                 object.__setattr__(self, name, cls(**{k: v for k, v in values.items() if k in known}))
 
 
@@ -676,8 +675,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 # the code reading them; a user who writes one of them under another choice is refused.
 
 def key(default, *, help: str = "", ge=None, gt=None, le=None, lt=None):
-    """A key of an extension (``register_keys``): its default, its allowed range (numbers) and the
-    description shown with it."""
+    """A key of an extension (``register_keys``): its default, its allowed range (numbers) and its
+    description (kept in the field's metadata, for the reader of the declaration)."""
     return field(default=default, metadata={"range": {"ge": ge, "gt": gt, "le": le, "lt": lt}, "help": help})
 
 
@@ -809,14 +808,6 @@ def _rebuild_section(name: str, stored_extra: tuple, values: dict):
 
 def _section_values(body) -> dict:
     return {f.name: getattr(body, f.name) for f in dataclasses.fields(body)}
-
-
-def section_help(section: str, name: str) -> str:
-    """The description an extension gave key ``section.name`` ("" for a built-in key)."""
-    for entry in EXTENSION_KEYS.values():
-        if entry.section == section and name in entry.names:
-            return next(f.metadata.get("help", "") for f in dataclasses.fields(entry.cls) if f.name == name)
-    return ""
 
 
 def _coerce(value: Any, typ, where: str, from_text: bool = False):

@@ -18,11 +18,19 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator
 
+# Nothing in the package imports this module (grf.prepare loads it on first use), so it imports what
+# it calls at module level: no circle to keep apart.
+from . import model
 from .batch import HSTUBatch
-from .config import Config, ConfigError
-from .configure import load_config
-from .optim import resolve_schedule
+from .config import Config, ConfigError, replace
+from .configure import load_config, validate
 from .contracts import Backend
+from .embedding.lookup import make_host, table_params
+from .optim import resolve_schedule
+from .plugins import import_plugins, normalise
+from .retrieval.task import RetrievalTask, evaluate
+from .runtime import make_backend
+from .task import get_task
 
 
 @dataclasses.dataclass
@@ -45,8 +53,6 @@ class Experiment:
     def backend(self, name: str | None = None, device: str | None = None):
         """The backend ``cfg.backend`` names (kernel, dtype, determinism applied), or backend
         ``name`` with the same dtype and precision and its default kernels."""
-        from .config import replace
-        from .runtime import make_backend
 
         cfg = self.cfg
         if name is not None and name != cfg.backend.name:
@@ -56,8 +62,6 @@ class Experiment:
     def init_params(self, seed: int | None = None) -> dict:
         """Fresh parameters (numpy), as ``grf train`` initialises them (``train.seed`` by default);
         with ``embedding.kind = "hash"`` the item table has ``embedding.capacity + 1`` zero rows."""
-        from . import model
-        from .embedding.lookup import make_host, table_params
 
         dense = model.model_of(self.cfg.model).init_params(self.cfg.model,
                                                            seed=self.cfg.train.seed if seed is None else seed)
@@ -67,14 +71,12 @@ class Experiment:
         """A fresh ``embedding.lookup.EmbeddingHost``: with a row-sparse embedding optimizer,
         ``host.prepare([batch], step)`` maps a step's ids to table rows (in step order) and
         returns the batches ``step.make_train_step`` takes."""
-        from .embedding.lookup import make_host
 
         return make_host(self.cfg)
 
     def evaluate(self, B: Backend, params, split: str = "valid", host=None) -> dict:
         """HR@K / NDCG@K / MRR (``eval.ks``) of ``params`` on the ``valid`` or ``test`` split,
         full-catalogue ranking as ``grf train`` evaluates (``host``: a hash table's)."""
-        from .retrieval.task import evaluate
 
         if self.cfg.embedding.kind == "hash" and host is None:
             raise ValueError("evaluate: a hash table's rows are not indexed by id; pass host= (the "
@@ -97,11 +99,6 @@ def prepare(config: Config | str | Path | None = None, overrides: list = (), plu
     Raises:
       ConfigError / DataError: with the messages ``grf train`` prints.
     """
-    from .config import replace
-    from .plugins import import_plugins, normalise
-    from .retrieval.task import RetrievalTask
-    from .configure import validate
-    from .task import get_task
 
     if isinstance(config, Config):
         if overrides:
